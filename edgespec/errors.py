@@ -1,0 +1,21 @@
+"""The errors edgespec raises on purpose. Each message says what was wrong and what to do."""
+
+
+class EdgespecError(Exception):
+    """Base class: anything the user can fix. The CLI prints the message on one line, exit 1."""
+
+
+class ExportError(EdgespecError):
+    """A checkpoint could not be exported or its ONNX graph failed validation."""
+
+
+class IncompatiblePairError(ExportError):
+    """Target and draft cannot be paired: tokenizers or special tokens differ."""
+
+
+class ManifestError(EdgespecError):
+    """An exported package is missing files or its manifest is unreadable."""
+
+
+class GenerationError(EdgespecError):
+    """A generation request cannot be served (prompt too long, bad settings)."""

@@ -1,0 +1,124 @@
+"""``edgespec export``: check the pair, export and validate both graphs, write the package.
+
+The package is built in a hidden temporary folder beside ``out`` and renamed into place at the
+end, so a failed or interrupted export leaves nothing at ``out``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import edgespec
+from edgespec.errors import ExportError
+from edgespec.export.graph import describe_graph, export_graph, load_model
+from edgespec.export.pair import Checkpoint, check_pair, read_checkpoint
+from edgespec.export.validate import validate_graph
+from edgespec.manifest import Manifest, ModelSpec
+
+Progress = Callable[[str], None]
+VALIDATION_LENGTH = 24  # tokens compared against PyTorch
+
+
+def export_pair(
+    target: str | Path,
+    draft: str | Path,
+    out: str | Path,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> Manifest:
+    """Export a target/draft pair of Hugging Face causal LMs into the package folder ``out``.
+
+    ``progress`` receives one line as each step starts and ends.
+    """
+    out = Path(out)
+    report = _Steps(progress or (lambda line: None), total=4)
+    if out.exists() and not overwrite and any(out.iterdir()):
+        raise ExportError(f"{out} already exists; choose another --out or pass --overwrite")
+
+    with report.step("checking the pair"):
+        target_ckpt = read_checkpoint(Path(target), "target")
+        draft_ckpt = read_checkpoint(Path(draft), "draft")
+        vocab_size = check_pair(target_ckpt, draft_ckpt)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _building(out) as tmp:
+        specs = {}
+        for role, ckpt in (("target", target_ckpt), ("draft", draft_ckpt)):
+            with report.step(f"exporting and validating the {role} ({ckpt.path})"):
+                specs[role] = _export_model(ckpt, tmp, role)
+        with report.step("writing tokenizer and manifest"):
+            manifest = _write_package(tmp, target_ckpt, draft_ckpt, specs, vocab_size)
+    return manifest
+
+
+def _export_model(ckpt: Checkpoint, root: Path, role: str) -> ModelSpec:
+    model = load_model(ckpt.path)
+    export_graph(model, root / role)
+    spec = describe_graph(root / role, root, model)
+    length = min(VALIDATION_LENGTH, ckpt.max_positions)
+    deviations, failures = validate_graph(model, root, spec, length)
+    if failures:
+        lines = "\n  ".join(failures)
+        raise ExportError(f"the {role} graph failed validation against PyTorch:\n  {lines}")
+    return replace(spec, validation=deviations)
+
+
+def _write_package(
+    tmp: Path, target: Checkpoint, draft: Checkpoint, specs: dict, vocab_size: int
+) -> Manifest:
+    tokenizer = target.tokenizer
+    tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+    manifest = Manifest(
+        target=specs["target"],
+        draft=specs["draft"],
+        vocab_size=vocab_size,
+        max_positions=min(target.max_positions, draft.max_positions),
+        eos_token_ids=target.eos_token_ids,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        add_bos_token=_adds_bos(tokenizer),
+        source={"target": str(target.path.resolve()), "draft": str(draft.path.resolve())},
+        edgespec_version=edgespec.__version__,
+    )
+    manifest.write(tmp)
+    return manifest
+
+
+def _adds_bos(tokenizer) -> bool:
+    """Whether the Hugging Face tokenizer starts every prompt with BOS (Llama-style)."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("x").input_ids[:1] == [bos]
+
+
+@contextmanager
+def _building(out: Path) -> Iterator[Path]:
+    """A temporary folder beside ``out``, renamed to ``out`` only if the block succeeds."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _Steps:
+    """Numbered progress lines with the time each step took."""
+
+    def __init__(self, progress: Progress, total: int):
+        self.progress, self.total, self.done = progress, total, 0
+
+    @contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        self.done += 1
+        self.progress(f"[{self.done}/{self.total}] {what}...")
+        start = time.perf_counter()
+        yield
+        self.progress(f"[{self.done}/{self.total}] done in {time.perf_counter() - start:.1f}s")

@@ -1,0 +1,113 @@
+"""Checks that a target and a draft checkpoint can be paired, before anything is exported.
+
+Speculative decoding compares the two models' distributions token by token, so both must
+mean the same thing by every token id they can emit and agree on the special tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from edgespec.errors import ExportError, IncompatiblePairError
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A Hugging Face causal LM folder, read but not loaded."""
+
+    path: Path
+    config: PretrainedConfig
+    tokenizer: object  # a transformers PreTrainedTokenizerFast
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's logits (may exceed the tokenizer: padded vocabularies)."""
+        return self.config.get_text_config().vocab_size
+
+    @property
+    def max_positions(self) -> int:
+        text = self.config.get_text_config()
+        return getattr(text, "max_position_embeddings", None) or text.n_positions
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        try:
+            eos = GenerationConfig.from_pretrained(self.path).eos_token_id
+        except OSError:  # no generation_config.json
+            eos = None
+        eos = eos if eos is not None else self.config.eos_token_id
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        return sorted({eos} if isinstance(eos, int) else set(eos or []))
+
+
+def read_checkpoint(path: Path, role: str) -> Checkpoint:
+    """Read config and tokenizer of a causal LM, or say plainly why the folder is not one."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ExportError(f"--{role} {path} is not a folder; pass a Hugging Face model folder")
+    if not (path / "config.json").is_file():
+        raise ExportError(
+            f"--{role} {path} has no config.json; pass a Hugging Face model folder "
+            "(one saved with save_pretrained)"
+        )
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, OSError) as e:
+        raise ExportError(f"--{role} {path}: cannot read config.json ({e})") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ExportError(
+            f"--{role} {path} is a '{config.model_type}' model, not a causal language model; "
+            "edgespec needs decoder-only models such as Llama, Qwen2, Mistral or GPT-2"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
+    except (ValueError, OSError) as e:
+        raise ExportError(f"--{role} {path}: cannot load its tokenizer ({e})") from None
+    if not tokenizer.is_fast:
+        raise ExportError(f"--{role} {path}: needs a fast tokenizer (tokenizer.json)")
+    return Checkpoint(path, config, tokenizer)
+
+
+def check_pair(target: Checkpoint, draft: Checkpoint) -> int:
+    """Refuse a pair whose tokens or special ids differ; returns the shared vocabulary size.
+
+    Vocabularies padded to different sizes (Qwen2 checkpoints: 151936 vs 152064 rows) are
+    fine: logits are restricted to the shared range, which must mean the same in both.
+    """
+    shared = min(target.vocab_size, draft.vocab_size)
+    for ckpt, role in ((target, "target"), (draft, "draft")):
+        if len(ckpt.tokenizer) > ckpt.vocab_size:
+            raise IncompatiblePairError(
+                f"the {role}'s tokenizer has {len(ckpt.tokenizer)} tokens but its model only "
+                f"{ckpt.vocab_size} rows of logits; fix the checkpoint's vocab_size"
+            )
+
+    target_tokens = _id_to_token(target.tokenizer, shared)
+    draft_tokens = _id_to_token(draft.tokenizer, shared)
+    for i in range(shared):
+        if target_tokens.get(i) != draft_tokens.get(i):
+            raise IncompatiblePairError(
+                f"the tokenizers differ at id {i}: target has {target_tokens.get(i)!r}, draft has "
+                f"{draft_tokens.get(i)!r}; the draft must use the target's tokenizer"
+            )
+
+    specials = {
+        "EOS": (target.eos_token_ids, draft.eos_token_ids),
+        "BOS": (target.tokenizer.bos_token_id, draft.tokenizer.bos_token_id),
+        "pad": (target.tokenizer.pad_token_id, draft.tokenizer.pad_token_id),
+    }
+    for name, (t, d) in specials.items():
+        if t != d:
+            raise IncompatiblePairError(
+                f"the {name} token ids differ: target {t}, draft {d}; "
+                "give both checkpoints the same special tokens"
+            )
+    return shared
+
+
+def _id_to_token(tokenizer, limit: int) -> dict[int, str]:
+    return {i: t for t, i in tokenizer.get_vocab().items() if i < limit}

@@ -1,0 +1,1 @@
+"""Named model pairs, and the recipe that builds the bundled demo pair."""

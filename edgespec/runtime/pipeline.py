@@ -1,0 +1,153 @@
+"""The user-facing object: an exported package loaded and ready to generate text."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from edgespec.config import GenerationConfig, SamplingConfig
+from edgespec.errors import GenerationError
+from edgespec.manifest import Manifest
+from edgespec.runtime.session import ModelSession, SessionConfig, default_session_configs
+from edgespec.runtime.speculative import decode
+from edgespec.runtime.stats import GenerationStats
+from edgespec.runtime.text import IncrementalDecoder, StopMatcher
+
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingConfig)}
+
+
+@dataclass
+class GenerationResult:
+    """What ``generate`` returns: the text, the generated ids and the stats of the run."""
+
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+class TextStream:
+    """Iterate for text pieces as they are decoded; ``result`` is set when the stream ends."""
+
+    def __init__(self, pieces: Iterator[str], finish: Callable[[str], GenerationResult]):
+        self._pieces = pieces
+        self._finish = finish
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        text = []
+        for piece in self._pieces:
+            text.append(piece)
+            yield piece
+        self.result = self._finish("".join(text))
+
+
+class Pipeline:
+    """A target/draft pair from ``edgespec export``, on onnxruntime.
+
+    >>> pipe = edgespec.load("pkg")
+    >>> pipe.generate("def fibonacci(n):", max_new_tokens=64).text
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        target: SessionConfig | None = None,
+        draft: SessionConfig | None = None,
+        provider: str = "auto",
+    ):
+        self.path = Path(path)
+        self.manifest = Manifest.read(self.path)
+        default_target, default_draft = default_session_configs(provider)
+        m = self.manifest
+        self.target = ModelSession(
+            self.path / m.target.path, m.target, m.vocab_size, target or default_target
+        )
+        self.draft = ModelSession(
+            self.path / m.draft.path, m.draft, m.vocab_size, draft or default_draft
+        )
+        for warning in {self.target.warning, self.draft.warning} - {None}:
+            warnings.warn(warning, stacklevel=2)
+        self.tokenizer = Tokenizer.from_file(str(self.path / m.tokenizer))
+
+    def encode(self, prompt: str) -> list[int]:
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        if self.manifest.add_bos_token and self.manifest.bos_token_id is not None:
+            ids = [self.manifest.bos_token_id, *ids]
+        if not ids:
+            raise GenerationError("the prompt is empty; give at least one character")
+        return ids
+
+    def stream(self, prompt: str, config: GenerationConfig | None = None, **settings) -> TextStream:
+        """Generate, yielding text pieces as they are decoded. Settings as for ``generate``."""
+        config = make_config(config, **settings)
+        prompt_ids = self.encode(prompt)
+        limit = self.manifest.max_positions
+        if len(prompt_ids) >= limit:
+            raise GenerationError(
+                f"the prompt has {len(prompt_ids)} tokens but the context window is {limit}; "
+                "shorten the prompt"
+            )
+        stats = GenerationStats(speculative=config.use_draft)
+        generated: list[int] = []
+
+        def pieces() -> Iterator[str]:
+            detok, stops = IncrementalDecoder(self.tokenizer), StopMatcher(config.stop)
+            rounds = decode(
+                self.target, self.draft, prompt_ids, config, limit,
+                set(self.manifest.eos_token_ids), stats,
+            )
+            for new in rounds:
+                generated.extend(new)
+                text, stopped = stops.feed(detok.add(new))
+                if text:
+                    yield text
+                if stopped:
+                    stats.finish_reason = "stop_string"
+                    return
+            text, _ = stops.feed(detok.flush())
+            if tail := text + stops.flush():
+                yield tail
+
+        return TextStream(pieces(), lambda text: GenerationResult(text, generated, stats))
+
+    def generate(
+        self, prompt: str, config: GenerationConfig | None = None, **settings
+    ) -> GenerationResult:
+        """Generate a continuation of ``prompt``.
+
+        ``config`` gives every setting at once; keyword settings override its fields:
+        max_new_tokens, gamma, use_draft, seed, stop, temperature, top_k, top_p.
+        """
+        stream = self.stream(prompt, config, **settings)
+        for _ in stream:
+            pass
+        return stream.result
+
+
+def make_config(config: GenerationConfig | None = None, **settings) -> GenerationConfig:
+    """A GenerationConfig from an optional base and flat keyword settings."""
+    config = config or GenerationConfig()
+    sampling = {k: settings.pop(k) for k in list(settings) if k in _SAMPLING_FIELDS}
+    if "stop" in settings:
+        stop = settings["stop"]
+        settings["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    unknown = set(settings) - {f.name for f in fields(GenerationConfig)} - {"sampling"}
+    if unknown:
+        raise TypeError(f"unknown generation setting(s): {', '.join(sorted(unknown))}")
+    if sampling:
+        settings["sampling"] = replace(config.sampling, **sampling)
+    return replace(config, **settings)
+
+
+def load(
+    path: str | Path,
+    provider: str = "auto",
+    target: SessionConfig | None = None,
+    draft: SessionConfig | None = None,
+) -> Pipeline:
+    """Load an exported package; ``target`` / ``draft`` override the default session settings."""
+    return Pipeline(path, target=target, draft=draft, provider=provider)

@@ -1,0 +1,95 @@
+"""Logit processing and the speculative acceptance rule, in pure NumPy.
+
+Letters as in the speculative sampling papers (Leviathan et al. 2023, Chen et al. 2023):
+**p is the target's distribution, q is the draft's.** (transformers and gpt-fast use the
+letters the other way round.)
+
+Both functions are pure: arrays and an explicit ``np.random.Generator`` in, arrays out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgespec.config import SamplingConfig
+
+
+def process_logits(logits: np.ndarray, sampling: SamplingConfig) -> np.ndarray:
+    """Turn logits ``[n, V]`` into probabilities ``[n, V]`` (float64, rows sum to 1).
+
+    Applied identically to draft and target rows so that p and q come from the same processing.
+    Order as in transformers: temperature, then top-k, then top-p (nucleus). Temperature 0
+    gives one-hot rows on the argmax (first index on ties), so greedy decoding runs through the
+    same acceptance rule: it accepts exactly when the draft's argmax equals the target's.
+    """
+    logits = np.asarray(logits, dtype=np.float64)  # [n, V]
+    if sampling.greedy:
+        probs = np.zeros_like(logits)
+        probs[np.arange(len(logits)), logits.argmax(axis=-1)] = 1.0
+        return probs
+
+    scaled = logits / sampling.temperature
+    if sampling.top_k and sampling.top_k < scaled.shape[-1]:
+        kth = np.partition(scaled, -sampling.top_k, axis=-1)[:, -sampling.top_k, None]  # [n, 1]
+        scaled = np.where(scaled < kth, -np.inf, scaled)
+    probs = _softmax(scaled)
+    if sampling.top_p < 1.0:
+        probs = _nucleus(probs, sampling.top_p)
+    return probs
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p, renormalise."""
+    order = np.argsort(-probs, axis=-1, kind="stable")  # [n, V]
+    sorted_probs = np.take_along_axis(probs, order, axis=-1)
+    # A token is kept if the mass strictly before it is below top_p (the top token always is).
+    mass_before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep_sorted = mass_before < top_p
+    keep = np.empty_like(keep_sorted)
+    np.put_along_axis(keep, order, keep_sorted, axis=-1)
+    kept = np.where(keep, probs, 0.0)
+    return kept / kept.sum(axis=-1, keepdims=True)
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one token id from a probability row ``[V]`` (inverse CDF, one uniform)."""
+    cdf = np.cumsum(probs)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(probs) - 1))
+
+
+def verify(
+    draft_tokens: np.ndarray,
+    q_draft: np.ndarray,
+    p_target: np.ndarray,
+    rng: np.random.Generator,
+) -> tuple[int, int]:
+    """Speculative sampling's accept/reject step; returns ``(n_accepted, next_token)``.
+
+    draft_tokens: ``[k]`` ids the draft sampled, token i from ``q_draft[i]``.
+    q_draft:      ``[k, V]`` draft probabilities.
+    p_target:     ``[k+1, V]`` target probabilities at the same k positions plus one more.
+
+    Token i is accepted with probability min(1, p(x)/q(x)). At the first rejection the
+    replacement is drawn from the residual norm(max(0, p - q)); if all k are accepted a bonus
+    token is drawn from ``p_target[k]``. The emitted tokens are then distributed exactly as
+    if sampled from p one by one (Leviathan et al. 2023, Theorem 1).
+    """
+    k = len(draft_tokens)
+    assert q_draft.shape[0] == k and p_target.shape[0] == k + 1, "need [k, V] and [k+1, V]"
+    for i, x in enumerate(draft_tokens):
+        p, q = p_target[i, x], q_draft[i, x]
+        # q >= p: always accept. q < p: accept with probability p/q. q = 0 cannot have been
+        # drawn, but if it was (a zero from rounding) accepting is right: p/q is infinite.
+        if q <= p or rng.random() * q < p:
+            continue
+        residual = np.maximum(p_target[i] - q_draft[i], 0.0)  # [V]
+        # A residual of zero mass means p == q up to rounding: then sampling from p is exact.
+        if residual.sum() <= 0.0:
+            residual = p_target[i]
+        return i, sample(residual, rng)
+    return k, sample(p_target[k], rng)

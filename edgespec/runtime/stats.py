@@ -1,0 +1,86 @@
+"""Counters and timings of one generation, and the figures derived from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Filled in by the decoding loop; every ratio is derived, never stored.
+
+    ``accepted_at[i]`` counts rounds whose i-th draft token was accepted and ``drafted_at[i]``
+    rounds that drafted an i-th token, so per-position acceptance is the chance that a round
+    gets at least i+1 tokens from the draft.
+    """
+
+    speculative: bool
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_calls: int = 0
+    draft_calls: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+    drafted_at: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    sampling_s: float = 0.0
+    total_s: float = 0.0
+    finish_reason: str = ""
+
+    def record_round(self, k: int, n_accepted: int) -> None:
+        grow = k - len(self.drafted_at)
+        if grow > 0:
+            self.accepted_at += [0] * grow
+            self.drafted_at += [0] * grow
+        for i in range(k):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < n_accepted
+        self.rounds += 1
+        self.drafted += k
+        self.accepted += n_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        return self.new_tokens / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - self.prefill_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of decoding (the prompt's prefill not counted)."""
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        figures = {
+            "acceptance_rate": self.acceptance_rate,
+            "per_position_acceptance": self.per_position_acceptance,
+            "tokens_per_target_call": self.tokens_per_target_call,
+            "decode_s": self.decode_s,
+            "tokens_per_s": self.tokens_per_s,
+        }
+        counters = {k: v for k, v in vars(self).items() if k not in ("accepted_at", "drafted_at")}
+        return {**counters, **figures}
+
+    def summary(self) -> str:
+        """One line for humans: the figures a user checks first."""
+        line = f"{self.new_tokens} tokens in {self.total_s:.2f}s, {self.tokens_per_s:.1f} tok/s"
+        if self.speculative:
+            line += (
+                f", acceptance {self.acceptance_rate:.0%} of {self.drafted} drafted"
+                f", {self.tokens_per_target_call:.2f} tokens/target call"
+            )
+        return f"{line} ({self.finish_reason})"

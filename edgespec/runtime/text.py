@@ -1,0 +1,74 @@
+"""Turning a growing list of token ids into text pieces, whole characters only, and stop strings."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+
+_INCOMPLETE = "\ufffd"  # what a byte-level decoder shows for a partial UTF-8 sequence
+
+
+class IncrementalDecoder:
+    """Emit the text added by each new batch of tokens, never half a character.
+
+    Decoding tokens one at a time breaks multi-byte characters split across tokens and drops
+    the spaces some decoders attach between tokens, so each step decodes a short window that
+    starts a few tokens back and emits only what the window adds past the text already emitted
+    (the scheme of Hugging Face text-generation-inference's ``decode_token``). A window ending in
+    U+FFFD is held back until the character completes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_start = 0  # window start: a few tokens before the first unemitted one
+        self.emit_start = 0  # first token whose text has not been emitted
+
+    def add(self, new_ids: list[int]) -> str:
+        self.ids += new_ids
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_start : self.emit_start], skip_special_tokens=True)
+        window = decode(self.ids[self.prefix_start :], skip_special_tokens=True)
+        if window.endswith(_INCOMPLETE) or len(window) <= len(prefix):
+            return ""
+        self.prefix_start, self.emit_start = self.emit_start, len(self.ids)
+        return window[len(prefix) :]
+
+    def flush(self) -> str:
+        """Whatever is still held back when generation ends, incomplete characters included."""
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_start : self.emit_start], skip_special_tokens=True)
+        window = decode(self.ids[self.prefix_start :], skip_special_tokens=True)
+        self.prefix_start = self.emit_start = len(self.ids)
+        return window[len(prefix) :]
+
+
+class StopMatcher:
+    """Cut a text stream at the first stop string, holding back what might begin one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.pending = ""
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was reached)."""
+        self.pending += piece
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            text, self.pending = self.pending[: min(hits)], ""
+            return text, True
+        hold = max((_overlap(self.pending, s) for s in self.stops), default=0)
+        text = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(text) :]
+        return text, False
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``stop``."""
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0

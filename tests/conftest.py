@@ -1,0 +1,128 @@
+"""Tiny random checkpoints with a locally trained tokenizer, exported through the real exporter.
+
+Built once per test session (a few seconds); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "Grüße aus Köln: naïve café, déjà vu, 東京 and 北京, emoji 🙂 too.",
+    "import numpy as np\nx = np.zeros((3, 4))\n",
+] * 20
+
+
+def _train_bpe(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def _train_words(words: list[str]):
+    """A word-level tokenizer with a handful of tokens, for distribution tests."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<|endoftext|>", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return tok
+
+
+def _hf_tokenizer(backend):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+
+
+def _save(model, tokenizer, folder: Path) -> Path:
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def llama(vocab: int, hidden: int, layers: int, seed: int, init: float = 0.02, positions=128):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=positions, initializer_range=init,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def gpt2(vocab: int, hidden: int, layers: int, seed: int, init: float = 0.02, positions=128):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=positions,
+        initializer_range=init, bos_token_id=0, eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config).eval()
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Hugging Face folders: Llama and GPT-2 targets and drafts, and some that must not pair."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    bpe = _hf_tokenizer(_train_bpe(400))
+    vocab = len(bpe)
+    other = _hf_tokenizer(_train_bpe(300))  # a different tokenizer: must be refused
+    words = _hf_tokenizer(_train_words(["a", "b", "c", "d", "e", "f", "g"]))
+    return {
+        "llama_target": _save(llama(vocab, 64, 2, seed=1), bpe, root / "llama_target"),
+        # padded to more rows than the target, as Qwen2 checkpoints are: must still pair
+        "llama_draft": _save(llama(vocab + 24, 32, 1, seed=2), bpe, root / "llama_draft"),
+        "gpt2_target": _save(gpt2(vocab, 64, 2, seed=3), bpe, root / "gpt2_target"),
+        "gpt2_draft": _save(gpt2(vocab, 32, 1, seed=4), bpe, root / "gpt2_draft"),
+        "other_tokenizer": _save(llama(len(other), 32, 1, seed=5), other, root / "other_tok"),
+        # tiny vocabulary, peaked random distributions: target and draft differ a lot
+        "words_target": _save(llama(len(words), 32, 2, seed=6, init=0.3), words, root / "wt"),
+        "words_draft": _save(llama(len(words), 16, 1, seed=7, init=0.3), words, root / "wd"),
+    }
+
+
+@pytest.fixture(scope="session")
+def packages(checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """Exported edgespec packages, made by the real exporter."""
+    from edgespec.export import export_pair
+
+    root = tmp_path_factory.mktemp("packages")
+    pairs = {
+        "llama": ("llama_target", "llama_draft"),
+        "gpt2": ("gpt2_target", "gpt2_draft"),
+        "llama_self": ("llama_target", "llama_target"),
+        "words": ("words_target", "words_draft"),
+    }
+    for name, (target, draft) in pairs.items():
+        export_pair(checkpoints[target], checkpoints[draft], root / name)
+    return {name: root / name for name in pairs}
