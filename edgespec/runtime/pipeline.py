@@ -96,21 +96,20 @@ class Pipeline:
 
         def pieces() -> Iterator[str]:
             detok, stops = IncrementalDecoder(self.tokenizer), StopMatcher(config.stop)
-            rounds = decode(
-                self.target, self.draft, prompt_ids, config, limit,
-                set(self.manifest.eos_token_ids), stats,
-            )
-            for new in rounds:
+            eos = set(self.manifest.eos_token_ids)
+            for new in decode(self.target, self.draft, prompt_ids, config, limit, eos, stats):
                 generated.extend(new)
                 text, stopped = stops.feed(detok.add(new))
                 if text:
                     yield text
                 if stopped:
-                    stats.finish_reason = "stop_string"
-                    return
-            text, _ = stops.feed(detok.flush())
-            if tail := text + stops.flush():
-                yield tail
+                    break
+            else:
+                text, stopped = stops.feed(detok.flush())
+                if tail := text if stopped else text + stops.flush():
+                    yield tail
+            if stopped:
+                stats.finish_reason = "stop_string"
 
         return TextStream(pieces(), lambda text: GenerationResult(text, generated, stats))
 

@@ -24,21 +24,21 @@ class IncrementalDecoder:
         self.emit_start = 0  # first token whose text has not been emitted
 
     def add(self, new_ids: list[int]) -> str:
+        """The text the new tokens complete ("" while a character is still partial)."""
         self.ids += new_ids
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_start : self.emit_start], skip_special_tokens=True)
-        window = decode(self.ids[self.prefix_start :], skip_special_tokens=True)
-        if window.endswith(_INCOMPLETE) or len(window) <= len(prefix):
-            return ""
-        self.prefix_start, self.emit_start = self.emit_start, len(self.ids)
-        return window[len(prefix) :]
+        return self._advance(final=False)
 
     def flush(self) -> str:
         """Whatever is still held back when generation ends, incomplete characters included."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_start : self.emit_start], skip_special_tokens=True)
         window = decode(self.ids[self.prefix_start :], skip_special_tokens=True)
-        self.prefix_start = self.emit_start = len(self.ids)
+        if len(window) <= len(prefix) or (window.endswith(_INCOMPLETE) and not final):
+            return ""
+        self.prefix_start, self.emit_start = self.emit_start, len(self.ids)
         return window[len(prefix) :]
 
 
