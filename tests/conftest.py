@@ -90,6 +90,20 @@ def gpt2(vocab: int, hidden: int, layers: int, seed: int, init: float = 0.02, po
     return GPT2LMHeadModel(config).eval()
 
 
+def noisy_copy(model, scale: float, seed: int):
+    """The same model with every weight perturbed: a draft that agrees with it part of the time."""
+    import copy
+
+    import torch
+
+    torch.manual_seed(seed)
+    noisy = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(torch.randn_like(p) * scale * p.std())
+    return noisy
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """Hugging Face folders: Llama and GPT-2 targets and drafts, and some that must not pair."""
@@ -98,8 +112,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     vocab = len(bpe)
     other = _hf_tokenizer(_train_bpe(300))  # a different tokenizer: must be refused
     words = _hf_tokenizer(_train_words(["a", "b", "c", "d", "e", "f", "g"]))
+    llama_target = llama(vocab, 64, 2, seed=1)
     return {
-        "llama_target": _save(llama(vocab, 64, 2, seed=1), bpe, root / "llama_target"),
+        "llama_target": _save(llama_target, bpe, root / "llama_target"),
+        "llama_noisy": _save(noisy_copy(llama_target, 0.15, seed=8), bpe, root / "llama_noisy"),
         # padded to more rows than the target, as Qwen2 checkpoints are: must still pair
         "llama_draft": _save(llama(vocab + 24, 32, 1, seed=2), bpe, root / "llama_draft"),
         "gpt2_target": _save(gpt2(vocab, 64, 2, seed=3), bpe, root / "gpt2_target"),
@@ -121,6 +137,7 @@ def packages(checkpoints, tmp_path_factory) -> dict[str, Path]:
         "llama": ("llama_target", "llama_draft"),
         "gpt2": ("gpt2_target", "gpt2_draft"),
         "llama_self": ("llama_target", "llama_target"),
+        "llama_noisy": ("llama_target", "llama_noisy"),
         "words": ("words_target", "words_draft"),
     }
     for name, (target, draft) in pairs.items():

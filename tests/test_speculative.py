@@ -1,0 +1,221 @@
+"""The speculative loop through real onnxruntime sessions: exact against target-only decoding."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from stats_check import ALPHA, fit_pvalue
+
+import edgespec
+from edgespec.config import SamplingConfig
+from edgespec.runtime import speculative
+from edgespec.runtime.sampling import process_logits
+
+PROMPTS = [
+    "def add(a, b):",
+    "The quick brown",
+    "Grüße aus Köln",
+    "import numpy as np\nx =",
+    "for i in range(10):\n    print(",
+]
+
+
+@pytest.fixture(scope="module")
+def pipes(packages):
+    return {name: edgespec.load(path) for name, path in packages.items()}
+
+
+@pytest.mark.parametrize("pair", ["llama", "gpt2", "llama_noisy"])
+def test_greedy_speculative_equals_target_only(pipes, pair):
+    pipe = pipes[pair]
+    for prompt in PROMPTS:
+        baseline = pipe.generate(prompt, max_new_tokens=48, use_draft=False)
+        for gamma in range(1, 7):
+            result = pipe.generate(prompt, max_new_tokens=48, gamma=gamma)
+            assert result.token_ids == baseline.token_ids, (prompt, gamma)
+            assert result.text == baseline.text
+
+
+def test_greedy_identity_exercises_both_accept_and_reject(pipes):
+    """The noisy draft agrees only sometimes, so the identity above covered partial rounds."""
+    stats = [pipes["llama_noisy"].generate(p, max_new_tokens=48, gamma=4).stats for p in PROMPTS]
+    rate = sum(s.accepted for s in stats) / sum(s.drafted for s in stats)
+    assert 0.1 < rate < 0.95
+    assert any(0 < s.accepted < s.drafted for s in stats)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_draft_equal_to_target_accepts_everything_at_temperature_zero(pipes, gamma):
+    for prompt in PROMPTS:
+        stats = pipes["llama_self"].generate(prompt, max_new_tokens=40, gamma=gamma).stats
+        assert stats.accepted == stats.drafted
+        assert stats.per_position_acceptance == [1.0] * len(stats.per_position_acceptance)
+        if stats.finish_reason == "max_new_tokens":
+            assert stats.tokens_per_target_call == pytest.approx(40 / stats.target_calls)
+            assert stats.target_calls <= -(-40 // (gamma + 1)) + 1
+
+
+def test_a_wrong_acceptance_rule_breaks_greedy_identity(pipes, monkeypatch):
+    """The identity test can fail: accepting every draft token changes the output."""
+    monkeypatch.setattr(speculative, "verify", lambda d, q, p, rng: (len(d), int(p[-1].argmax())))
+    pipe = pipes["llama"]
+    differs = [
+        pipe.generate(p, max_new_tokens=24, gamma=3).token_ids
+        != pipe.generate(p, max_new_tokens=24, use_draft=False).token_ids
+        for p in PROMPTS
+    ]
+    assert any(differs)
+
+
+def test_sampling_is_reproducible_with_a_seed(pipes):
+    pipe = pipes["llama_noisy"]
+    runs = [pipe.generate("def", max_new_tokens=30, temperature=1, seed=7).token_ids for _ in "ab"]
+    assert runs[0] == runs[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# End-to-end distribution: the first two tokens of speculative sampling, through the real
+# sessions, must follow the target's exact joint distribution (computed from the target graph).
+
+PROMPT = "a b c"
+SETTINGS = {
+    "temperature 1": SamplingConfig(temperature=1.0),
+    "top-k 3": SamplingConfig(temperature=0.8, top_k=3),
+    "top-p 0.7": SamplingConfig(temperature=1.2, top_p=0.7),
+}
+
+
+def exact_two_token_distribution(pipe, sampling: SamplingConfig) -> dict:
+    """P(t1, t2) = p(t1 | prompt) p(t2 | prompt, t1); an EOS first token ends the text."""
+    prompt = pipe.encode(PROMPT)
+    eos = set(pipe.manifest.eos_token_ids)
+
+    def p_next(ids: list[int]) -> np.ndarray:
+        logits = pipe.target.forward(np.array(ids), pipe.target.new_cache())[-1:]
+        return process_logits(logits, sampling)[0]
+
+    joint = {}
+    for t1, p1 in enumerate(p_next(prompt)):
+        if p1 == 0:
+            continue
+        if t1 in eos:
+            joint[(t1,)] = p1
+            continue
+        for t2, p2 in enumerate(p_next([*prompt, t1])):
+            joint[(t1, t2)] = p1 * p2
+    return joint
+
+
+def two_token_samples(pipe, sampling, n: int, use_draft=True) -> list[tuple]:
+    return [
+        tuple(
+            pipe.generate(
+                PROMPT, max_new_tokens=2, gamma=2, use_draft=use_draft, seed=seed,
+                temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+            ).token_ids
+        )
+        for seed in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def words(pipes):
+    pipe = pipes["words"]
+    # The check is only meaningful if the draft disagrees with the target.
+    p = exact_two_token_distribution(pipe, SETTINGS["temperature 1"])
+    assert max(p.values()) < 0.5
+    return pipe
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_speculative_sampling_matches_the_target_distribution(words, setting):
+    sampling = SETTINGS[setting]
+    expected = exact_two_token_distribution(words, sampling)
+    samples = two_token_samples(words, sampling, n=4000)
+    stats = words.generate(PROMPT, max_new_tokens=40, temperature=1.0, seed=0).stats
+    assert stats.acceptance_rate < 0.9  # the draft is far from the target
+    assert fit_pvalue(samples, expected) > ALPHA
+
+
+def test_target_only_sampling_matches_the_same_distribution(words):
+    sampling = SETTINGS["top-k 3"]
+    samples = two_token_samples(words, sampling, n=2000, use_draft=False)
+    assert fit_pvalue(samples, exact_two_token_distribution(words, sampling)) > ALPHA
+
+
+def test_the_distribution_check_rejects_a_wrong_loop(words, monkeypatch):
+    """Resampling from p instead of the residual after a rejection biases the output."""
+
+    def resample_from_p(draft_tokens, q_draft, p_target, rng):
+        for i, x in enumerate(draft_tokens):
+            if rng.random() * q_draft[i, x] >= p_target[i, x]:
+                return i, speculative.sample(p_target[i], rng)
+        return len(draft_tokens), speculative.sample(p_target[-1], rng)
+
+    monkeypatch.setattr(speculative, "verify", resample_from_p)
+    sampling = SETTINGS["temperature 1"]
+    samples = two_token_samples(words, sampling, n=4000)
+    assert fit_pvalue(samples, exact_two_token_distribution(words, sampling)) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping
+
+
+def test_stops_at_max_new_tokens_and_counts_tokens(pipes):
+    for gamma, n in itertools.product([1, 4], [1, 2, 7]):
+        result = pipes["llama_self"].generate("The quick brown", max_new_tokens=n, gamma=gamma)
+        assert len(result.token_ids) <= n
+        if result.stats.finish_reason == "max_new_tokens":
+            assert len(result.token_ids) == n
+        assert result.stats.new_tokens == len(result.token_ids)
+
+
+def test_stops_at_the_context_limit(pipes):
+    pipe = pipes["llama_noisy"]
+    limit = pipe.manifest.max_positions
+    prompt_ids = pipe.encode("x " * 200)[: limit - 5]
+    prompt = pipe.tokenizer.decode(prompt_ids)
+    assert len(pipe.encode(prompt)) == limit - 5
+    result = pipe.generate(prompt, max_new_tokens=50, gamma=4)
+    assert len(result.token_ids) <= 5
+    if not result.stats.finish_reason == "eos":
+        assert result.stats.finish_reason == "context_limit"
+        assert len(result.token_ids) == 5
+
+
+def test_prompt_longer_than_the_context_is_refused(pipes):
+    with pytest.raises(edgespec.EdgespecError, match="context window is 128; shorten"):
+        pipes["llama"].generate("x " * 300)
+
+
+def test_eos_ends_generation_and_is_not_in_the_text(pipes):
+    pipe = pipes["gpt2"]
+    results = [pipe.generate(p, max_new_tokens=100, temperature=1, seed=s) for p in PROMPTS
+               for s in range(3)]
+    ended = [r for r in results if r.stats.finish_reason == "eos"]
+    assert ended, "no sample ended with EOS; pick other seeds"
+    for r in ended:
+        assert r.token_ids[-1] in pipe.manifest.eos_token_ids
+        assert "<|endoftext|>" not in r.text
+
+
+def test_stop_strings_cut_the_text(pipes):
+    pipe = pipes["llama"]
+    full = pipe.generate("def add(a, b):", max_new_tokens=40).text
+    stop = full[5:8]
+    cut = pipe.generate("def add(a, b):", max_new_tokens=40, stop=[stop])
+    assert cut.text == full[: full.index(stop)]
+    assert cut.stats.finish_reason == "stop_string"
+
+
+def test_stream_yields_the_text_in_pieces(pipes):
+    pipe = pipes["llama_noisy"]
+    stream = pipe.stream("Grüße aus", max_new_tokens=40, gamma=3)
+    pieces = list(stream)
+    assert "".join(pieces) == stream.result.text
+    assert stream.result.text == pipe.generate("Grüße aus", max_new_tokens=40, gamma=3).text
+    assert all(pieces)
+
