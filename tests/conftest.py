@@ -19,7 +19,7 @@ CORPUS = [
 ] * 20
 
 
-def _train_bpe(vocab_size: int):
+def _train_bpe(vocab_size: int, corpus: list[str] = CORPUS):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -30,7 +30,7 @@ def _train_bpe(vocab_size: int):
         special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus, trainer)
     return tok
 
 
@@ -110,7 +110,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("checkpoints")
     bpe = _hf_tokenizer(_train_bpe(400))
     vocab = len(bpe)
-    other = _hf_tokenizer(_train_bpe(300))  # a different tokenizer: must be refused
+    # same size, other merges: must be refused
+    other = _hf_tokenizer(_train_bpe(400, [line[::-1] for line in CORPUS]))
     words = _hf_tokenizer(_train_words(["a", "b", "c", "d", "e", "f", "g"]))
     llama_target = llama(vocab, 64, 2, seed=1)
     return {
@@ -120,7 +121,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
         "llama_draft": _save(llama(vocab + 24, 32, 1, seed=2), bpe, root / "llama_draft"),
         "gpt2_target": _save(gpt2(vocab, 64, 2, seed=3), bpe, root / "gpt2_target"),
         "gpt2_draft": _save(gpt2(vocab, 32, 1, seed=4), bpe, root / "gpt2_draft"),
-        "other_tokenizer": _save(llama(len(other), 32, 1, seed=5), other, root / "other_tok"),
+        "other_tokenizer": _save(llama(vocab, 32, 1, seed=5), other, root / "other_tok"),
         # tiny vocabulary, peaked random distributions: target and draft differ a lot
         "words_target": _save(llama(len(words), 32, 2, seed=6, init=0.3), words, root / "wt"),
         "words_draft": _save(llama(len(words), 16, 1, seed=7, init=0.3), words, root / "wd"),

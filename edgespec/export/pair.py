@@ -58,14 +58,17 @@ def read_checkpoint(path: Path, role: str) -> Checkpoint:
         config = AutoConfig.from_pretrained(path)
     except (ValueError, OSError) as e:
         raise ExportError(f"--{role} {path}: cannot read config.json ({e})") from None
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    declared = set(config.architectures or [])
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or declared - causal_classes:
+        kind = ", ".join(config.architectures or []) or config.model_type
         raise ExportError(
-            f"--{role} {path} is a '{config.model_type}' model, not a causal language model; "
+            f"--{role} {path} is a {kind} model, not a causal language model; "
             "edgespec needs decoder-only models such as Llama, Qwen2, Mistral or GPT-2"
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, TypeError) as e:
         raise ExportError(f"--{role} {path}: cannot load its tokenizer ({e})") from None
     if not tokenizer.is_fast:
         raise ExportError(f"--{role} {path}: needs a fast tokenizer (tokenizer.json)")
@@ -80,10 +83,11 @@ def check_pair(target: Checkpoint, draft: Checkpoint) -> int:
     """
     shared = min(target.vocab_size, draft.vocab_size)
     for ckpt, role in ((target, "target"), (draft, "draft")):
-        if len(ckpt.tokenizer) > ckpt.vocab_size:
+        if len(ckpt.tokenizer) > shared:
             raise IncompatiblePairError(
-                f"the {role}'s tokenizer has {len(ckpt.tokenizer)} tokens but its model only "
-                f"{ckpt.vocab_size} rows of logits; fix the checkpoint's vocab_size"
+                f"the {role}'s tokenizer has {len(ckpt.tokenizer)} tokens but the pair shares "
+                f"only {shared} rows of logits (target {target.vocab_size}, draft "
+                f"{draft.vocab_size}); the draft must cover the target's whole vocabulary"
             )
 
     target_tokens = _id_to_token(target.tokenizer, shared)

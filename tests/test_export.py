@@ -1,0 +1,124 @@
+"""The exporter: pair checks, graph validation, the manifest, and atomic output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import _hf_tokenizer, _save, _train_bpe, llama
+
+from edgespec.errors import ExportError, IncompatiblePairError
+from edgespec.export import export_pair, validate
+from edgespec.manifest import Manifest
+
+
+def test_manifest_describes_both_graphs(packages, checkpoints):
+    manifest = Manifest.read(packages["llama"])
+    assert manifest.format_version == 1 and manifest.edgespec_version
+    for spec, layers in ((manifest.target, 2), (manifest.draft, 1)):
+        assert spec.architecture == "llama"
+        assert spec.layers == layers and spec.kv_heads == 2
+        assert len(spec.kv_inputs) == len(spec.kv_outputs) == 2 * layers
+        assert spec.kv_inputs[0] == "past_key_values.0.key"
+        assert spec.validation["max_abs_diff_one_token_steps"] <= spec.validation["atol"]
+    assert manifest.max_positions == 128
+    assert manifest.eos_token_ids == [0] and manifest.bos_token_id == 0
+    assert manifest.source["target"].endswith("llama_target")
+
+
+def test_head_shapes_come_from_the_graph(packages):
+    manifest = Manifest.read(packages["gpt2"])
+    assert (manifest.target.kv_heads, manifest.target.head_dim) == (4, 16)
+    assert (manifest.draft.kv_heads, manifest.draft.head_dim) == (4, 8)
+
+
+def test_padded_vocabularies_pair_on_the_shared_range(packages):
+    manifest = Manifest.read(packages["llama"])
+    assert manifest.draft.vocab_size == manifest.target.vocab_size + 24
+    assert manifest.vocab_size == manifest.target.vocab_size
+
+
+def test_a_different_tokenizer_is_refused_naming_the_first_mismatch(checkpoints, tmp_path):
+    with pytest.raises(IncompatiblePairError, match=r"tokenizers differ at id \d+: target has"):
+        export_pair(checkpoints["llama_target"], checkpoints["other_tokenizer"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_different_eos_ids_are_refused(checkpoints, tmp_path):
+    draft = tmp_path / "draft"
+    bpe = _hf_tokenizer(_train_bpe(400))
+    model = llama(len(bpe), 32, 1, seed=9)
+    _save(model, bpe, draft)
+    model.generation_config.eos_token_id = 5
+    model.generation_config.save_pretrained(draft)
+    with pytest.raises(IncompatiblePairError, match=r"EOS token ids differ: target \[0\], draft \[5\]"):
+        export_pair(checkpoints["llama_target"], draft, tmp_path / "out")
+
+
+def test_a_model_that_is_not_a_causal_lm_is_refused(checkpoints, tmp_path):
+    from transformers import BertConfig, T5Config
+
+    BertConfig(architectures=["BertForMaskedLM"]).save_pretrained(tmp_path / "bert")
+    with pytest.raises(ExportError, match="is a BertForMaskedLM model, not a causal language"):
+        export_pair(checkpoints["llama_target"], tmp_path / "bert", tmp_path / "out")
+    T5Config().save_pretrained(tmp_path / "t5")
+    with pytest.raises(ExportError, match="is a t5 model, not a causal language model"):
+        export_pair(tmp_path / "t5", checkpoints["llama_target"], tmp_path / "out")
+    with pytest.raises(ExportError, match="--draft .* is not a folder"):
+        export_pair(checkpoints["llama_target"], tmp_path / "nothing", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ExportError, match="--target .* has no config.json"):
+        export_pair(tmp_path / "empty", checkpoints["llama_target"], tmp_path / "out")
+
+
+def test_fp16_checkpoints_export_and_validate(tmp_path):
+    bpe = _hf_tokenizer(_train_bpe(400))
+    target = _save(llama(len(bpe), 64, 2, seed=10).to(torch.float16), bpe, tmp_path / "t16")
+    draft = _save(llama(len(bpe), 32, 1, seed=11).to(torch.bfloat16), bpe, tmp_path / "d16")
+    assert json.loads((target / "config.json").read_text())["dtype"] == "float16"
+    manifest = export_pair(target, draft, tmp_path / "pkg")
+    assert manifest.target.dtype == "float32"
+    assert manifest.target.validation["max_abs_diff_no_cache"] <= manifest.target.validation["atol"]
+
+
+def test_validation_failures_are_collected_and_nothing_is_left(checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setattr(validate, "FP32_ATOL", 1e-12)
+    out = tmp_path / "pkg"
+    with pytest.raises(ExportError) as failure:
+        export_pair(checkpoints["llama_target"], checkpoints["llama_draft"], out)
+    message = str(failure.value)
+    assert "failed validation" in message
+    for name in ("no_cache", "prefix_then_rest", "one_token_steps"):
+        assert name in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupted_export_leaves_nothing(checkpoints, tmp_path, monkeypatch):
+    from edgespec.export import package
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(package, "_write_package", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_pair(checkpoints["llama_target"], checkpoints["llama_draft"], tmp_path / "pkg")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_existing_package_is_kept_unless_overwrite(packages, checkpoints, tmp_path):
+    out = tmp_path / "pkg"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="already exists; choose another --out or pass --overwrite"):
+        export_pair(checkpoints["gpt2_target"], checkpoints["gpt2_draft"], out)
+    assert (out / "keep.txt").exists()
+    export_pair(checkpoints["gpt2_target"], checkpoints["gpt2_draft"], out, overwrite=True)
+    assert not (out / "keep.txt").exists() and Manifest.read(out).target.architecture == "gpt2"
+
+
+def test_a_draft_that_cannot_propose_every_target_token_is_refused(checkpoints, tmp_path):
+    bpe = _hf_tokenizer(_train_bpe(400))
+    _save(llama(len(bpe) - 10, 32, 1, seed=12), bpe, tmp_path / "short")
+    with pytest.raises(IncompatiblePairError, match="the pair shares only 390 rows"):
+        export_pair(checkpoints["llama_target"], tmp_path / "short", tmp_path / "out")
