@@ -1,0 +1,3 @@
+from edgespec.cli import main
+
+main()
