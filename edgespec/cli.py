@@ -65,8 +65,7 @@ def export(target: Path, draft: Path, out: Path, overwrite: bool) -> None:
 
 
 @main.command()
-@click.argument("package", type=click.Path(path_type=Path))
-@click.argument("prompt")
+@click.argument("args", nargs=-1, required=True, metavar="[PACKAGE] PROMPT")
 @click.option("--max-new-tokens", "-n", default=128, show_default=True)
 @click.option("--temperature", "-t", default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", default=0, show_default=True, help="0 keeps all tokens.")
@@ -79,12 +78,18 @@ def export(target: Path, draft: Path, out: Path, overwrite: bool) -> None:
               type=click.Choice(["auto", "cpu", "cuda", "tensorrt"]))
 @click.option("--json", "as_json", is_flag=True, help="Print text and stats as one JSON object.")
 @_user_errors
-def generate(package: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
+def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float, top_k: int,
              top_p: float, gamma: int, seed: int | None, stop: tuple[str, ...], no_draft: bool,
              provider: str, as_json: bool) -> None:
-    """Continue PROMPT with the exported pair in PACKAGE, streaming the text."""
+    """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair)."""
     from edgespec.config import GenerationConfig, SamplingConfig
     from edgespec.runtime import load
+
+    if len(args) > 2:
+        raise click.ClickException(
+            f"expected [PACKAGE] PROMPT, got {len(args)} arguments; quote the prompt"
+        )
+    package, prompt = (Path(args[0]), args[1]) if len(args) == 2 else (_demo_package(), args[0])
 
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -107,3 +112,61 @@ def generate(package: Path, prompt: str, max_new_tokens: int, temperature: float
         sys.stdout.flush()
     click.echo()
     click.echo(stream.result.stats.summary(), err=True)
+
+
+def _demo_package() -> Path:
+    from edgespec.models import demo_package
+
+    return demo_package()
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+@main.command()
+@click.argument("package", required=False, type=click.Path(path_type=Path))
+@click.option("--gamma", "gammas", default="1,2,3,4,6,8", show_default=True,
+              help="Draft lengths to compare, comma-separated.")
+@click.option("--temperature", "temperatures", default="0,0.7,1", show_default=True,
+              help="Temperatures, comma-separated.")
+@click.option("--max-new-tokens", "-n", default=128, show_default=True)
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
+              help="Prompts, one per line (or JSON Lines of strings). "
+                   "Default: the package's prompts.jsonl.")
+@click.option("--repeats", default=3, show_default=True, help="Runs of each prompt.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the report here.")
+@click.option("--plot", "plot_out", type=click.Path(path_type=Path),
+              help="Plot speedup against gamma to this PNG (needs matplotlib).")
+@click.option("--provider", default="auto", show_default=True,
+              type=click.Choice(["auto", "cpu", "cuda", "tensorrt"]))
+@_user_errors
+def bench(package: Path | None, gammas: str, temperatures: str, max_new_tokens: int,
+          prompts_file: Path | None, repeats: int, json_out: Path | None,
+          plot_out: Path | None, provider: str) -> None:
+    """Speedup of speculative over target-only decoding, measured side by side."""
+    from edgespec import bench as benchmark
+    from edgespec.runtime import load
+
+    try:
+        config = benchmark.BenchConfig(_ints(gammas), _floats(temperatures), max_new_tokens,
+                                       repeats)
+    except ValueError as e:
+        raise click.ClickException(f"--gamma/--temperature: {e}") from None
+    package = package or _demo_package()
+    prompts = benchmark.read_prompts(prompts_file or package / benchmark.PROMPTS_NAME)
+    pipe = load(package, provider=provider)
+    total = benchmark.total_runs(config, len(prompts))
+    with click.progressbar(length=total, label="benchmarking", file=sys.stderr) as bar:
+        report = benchmark.run_bench(pipe, prompts, config, progress=lambda n: bar.update(n - bar.pos))
+    click.echo(benchmark.format_table(report))
+    if json_out:
+        json_out.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+        click.echo(f"wrote {json_out}", err=True)
+    if plot_out:
+        benchmark.plot(report, plot_out)
+        click.echo(f"wrote {plot_out}", err=True)

@@ -20,6 +20,7 @@ class GenerationStats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejected: int = 0  # rounds that ended at a rejected draft token
     target_calls: int = 0
     draft_calls: int = 0
     accepted_at: list[int] = field(default_factory=list)
@@ -42,10 +43,23 @@ class GenerationStats:
         self.rounds += 1
         self.drafted += k
         self.accepted += n_accepted
+        self.rejected += n_accepted < k
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Chance that the target accepts one draft token, estimated from the rounds.
+
+        Verification looks at draft tokens until the first rejection, so each looked-at token
+        was either accepted or the one rejection of its round: alpha = accepted / looked at.
+        Unlike ``acceptance_rate`` it does not count the tokens after a rejection, which were
+        never looked at (Leviathan et al.'s alpha).
+        """
+        looked_at = self.accepted + self.rejected
+        return self.accepted / looked_at if looked_at else 0.0
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -67,6 +81,7 @@ class GenerationStats:
     def as_dict(self) -> dict:
         figures = {
             "acceptance_rate": self.acceptance_rate,
+            "alpha": self.alpha,
             "per_position_acceptance": self.per_position_acceptance,
             "tokens_per_target_call": self.tokens_per_target_call,
             "decode_s": self.decode_s,

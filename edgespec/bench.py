@@ -1,0 +1,246 @@
+"""``edgespec bench``: speculative against target-only decoding, measured side by side.
+
+For each temperature and gamma, target-only and speculative runs of the same prompts are
+interleaved in one process (so drift of a noisy machine hits both alike) and summarised by
+medians. From measured step costs it also gives the speedup the theory expects
+(Leviathan et al. 2023, Theorem 3.8, with the cost of verifying k+1 tokens measured rather
+than assumed equal to one target step) and the efficiency, measured / expected.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edgespec.config import GenerationConfig, SamplingConfig
+from edgespec.errors import EdgespecError
+from edgespec.runtime.pipeline import Pipeline
+from edgespec.runtime.session import ModelSession
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
+    max_new_tokens: int = 128
+    repeats: int = 3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.gammas or min(self.gammas) < 1:
+            raise ValueError(f"gammas must be >= 1, got {self.gammas}")
+        if not self.temperatures or min(self.temperatures) < 0:
+            raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Median milliseconds of one run of each kind at a typical context length."""
+
+    context: int
+    draft_step_ms: float
+    target_step_ms: float
+    target_verify_ms: dict[int, float]  # k -> verify k+1 tokens
+
+    def expected_speedup(self, alpha: float, k: int) -> float:
+        """Leviathan et al.'s expected speedup with the verify cost measured.
+
+        tokens per round (1 - alpha^(k+1)) / (1 - alpha), at a cost of k draft steps and one
+        verify of k+1 tokens, against one target step per token.
+        """
+        tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+        round_ms = k * self.draft_step_ms + self.target_verify_ms[k]
+        return tokens * self.target_step_ms / round_ms
+
+
+@dataclass
+class Row:
+    """One configuration's medians."""
+
+    temperature: float
+    gamma: int
+    baseline_tokens_per_s: float
+    tokens_per_s: float
+    speedup: float
+    acceptance_rate: float
+    alpha: float
+    tokens_per_target_call: float
+    per_position_acceptance: list[float]
+    expected_speedup: float
+    efficiency: float
+    runs: int
+
+
+@dataclass
+class BenchReport:
+    config: BenchConfig
+    costs: Costs
+    rows: list[Row] = field(default_factory=list)
+    prompts: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_costs(pipe: Pipeline, context: int, kmax: int, repeats: int = 30) -> Costs:
+    """Time single runs of the draft and target sessions on a cache of ``context`` tokens."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, pipe.manifest.vocab_size, size=context + kmax + 1)
+
+    def timed(session: ModelSession, n: int) -> float:
+        cache = session.new_cache()
+        session.forward(ids[:context], cache)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            session.forward(ids[context : context + n], cache)
+            times.append(time.perf_counter() - start)
+            cache.crop(context)
+        return 1e3 * statistics.median(times)
+
+    return Costs(
+        context=context,
+        draft_step_ms=timed(pipe.draft, 1),
+        target_step_ms=timed(pipe.target, 1),
+        target_verify_ms={k: timed(pipe.target, k + 1) for k in range(1, kmax + 1)},
+    )
+
+
+def run_bench(
+    pipe: Pipeline,
+    prompts: list[str],
+    config: BenchConfig,
+    progress: Callable[[int], None] | None = None,
+) -> BenchReport:
+    """Interleave target-only and speculative runs of every prompt; ``progress(n)`` after n runs.
+
+    Speedups are medians of paired ratios: each speculative run against the target-only run of
+    the same prompt, temperature and repeat.
+    """
+    progress = progress or (lambda n: None)
+    pipe.generate(prompts[0], max_new_tokens=8)  # warm both sessions up
+    typical_context = len(pipe.encode(prompts[0])) + config.max_new_tokens // 2
+    costs = measure_costs(pipe, min(typical_context, pipe.manifest.max_positions - 16),
+                          max(config.gammas))
+    report = BenchReport(config, costs, prompts=len(prompts))
+    done = 0
+    for temperature in config.temperatures:
+        sampling = SamplingConfig(temperature)
+        runs: dict[int, list] = {g: [] for g in config.gammas}
+        for repeat in range(config.repeats):
+            for i, prompt in enumerate(prompts):
+                seed = config.seed + 1000 * repeat + i
+                base = GenerationConfig(config.max_new_tokens, sampling, use_draft=False, seed=seed)
+                baseline = pipe.generate(prompt, base).stats
+                for gamma in config.gammas:
+                    spec = GenerationConfig(config.max_new_tokens, sampling, gamma, seed=seed)
+                    runs[gamma].append((baseline, pipe.generate(prompt, spec).stats))
+                done += 1 + len(config.gammas)
+                progress(done)
+        report.rows += [_summarise(temperature, g, runs[g], costs) for g in config.gammas]
+    return report
+
+
+def total_runs(config: BenchConfig, prompts: int) -> int:
+    return len(config.temperatures) * config.repeats * prompts * (1 + len(config.gammas))
+
+
+def _summarise(temperature: float, gamma: int, pairs: list, costs: Costs) -> Row:
+    median = statistics.median
+    accepted = sum(s.accepted for _, s in pairs)
+    drafted = sum(s.drafted for _, s in pairs)
+    rejected = sum(s.rejected for _, s in pairs)
+    alpha = accepted / (accepted + rejected) if accepted + rejected else 0.0
+    accepted_at, drafted_at = np.zeros(gamma), np.zeros(gamma)
+    for _, s in pairs:
+        accepted_at[: len(s.accepted_at)] += s.accepted_at
+        drafted_at[: len(s.drafted_at)] += s.drafted_at
+    speedup = median(s.tokens_per_s / b.tokens_per_s for b, s in pairs)
+    expected = costs.expected_speedup(alpha, gamma)
+    return Row(
+        temperature=temperature,
+        gamma=gamma,
+        baseline_tokens_per_s=median(b.tokens_per_s for b, _ in pairs),
+        tokens_per_s=median(s.tokens_per_s for _, s in pairs),
+        speedup=speedup,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        alpha=alpha,
+        tokens_per_target_call=median(s.tokens_per_target_call for _, s in pairs),
+        per_position_acceptance=(accepted_at / np.maximum(drafted_at, 1)).tolist(),
+        expected_speedup=expected,
+        efficiency=speedup / expected,
+        runs=len(pairs),
+    )
+
+
+PROMPTS_NAME = "prompts.jsonl"
+
+
+def read_prompts(path: Path) -> list[str]:
+    """Prompts from a text file, one a line, or JSON Lines of strings / {"prompt": ...}."""
+    if not path.is_file():
+        raise EdgespecError(f"no prompts file at {path}; pass --prompts FILE (one prompt a line)")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix != ".jsonl":
+        return lines
+    try:
+        items = [json.loads(line) for line in lines]
+        return [item if isinstance(item, str) else item["prompt"] for item in items]
+    except (ValueError, KeyError, TypeError) as e:
+        raise EdgespecError(f"{path}: not JSON Lines of prompts ({e})") from None
+
+
+def format_table(report: BenchReport) -> str:
+    c = report.costs
+    verify = ", ".join(f"k={k}: {ms:.2f}" for k, ms in c.target_verify_ms.items())
+    lines = [
+        f"costs at context {c.context}: draft step {c.draft_step_ms:.3f} ms, target step "
+        f"{c.target_step_ms:.3f} ms, target verify of k+1 tokens (ms) {verify}",
+        f"{report.prompts} prompts x {report.config.repeats} repeats, "
+        f"{report.config.max_new_tokens} new tokens; medians",
+        "",
+        f"{'temp':>5} {'gamma':>5} {'target tok/s':>12} {'spec tok/s':>10} {'speedup':>7} "
+        f"{'accept':>6} {'alpha':>5} {'tok/call':>8} {'expected':>8} {'effic.':>6}",
+    ]
+    for r in report.rows:
+        lines.append(
+            f"{r.temperature:>5.2g} {r.gamma:>5} {r.baseline_tokens_per_s:>12.1f} "
+            f"{r.tokens_per_s:>10.1f} {r.speedup:>6.2f}x {r.acceptance_rate:>6.0%} "
+            f"{r.alpha:>5.2f} {r.tokens_per_target_call:>8.2f} {r.expected_speedup:>7.2f}x "
+            f"{r.efficiency:>6.0%}"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: BenchReport, path: Path) -> None:
+    """Speedup against gamma, one colour per temperature: measured solid, expected dashed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise EdgespecError("--plot needs matplotlib: pip install 'edgespec[bench]'") from None
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for i, temperature in enumerate(report.config.temperatures):
+        rows = [r for r in report.rows if r.temperature == temperature]
+        gammas = [r.gamma for r in rows]
+        color = f"C{i}"
+        ax.plot(gammas, [r.speedup for r in rows], "o-", color=color, label=f"T={temperature:g}")
+        ax.plot(gammas, [r.expected_speedup for r in rows], "--", color=color, alpha=0.6)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("gamma (draft tokens per round)")
+    ax.set_ylabel("speedup over target-only")
+    ax.set_title("edgespec: measured (solid) and expected (dashed)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

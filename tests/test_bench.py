@@ -1,0 +1,64 @@
+"""The benchmark: the expected-speedup formula, and a short run through real sessions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import edgespec
+from edgespec.bench import BenchConfig, Costs, read_prompts, run_bench
+from edgespec.cli import main
+from edgespec.runtime.stats import GenerationStats
+
+
+def test_expected_speedup_is_leviathans_formula():
+    costs = Costs(context=10, draft_step_ms=0.5, target_step_ms=10.0,
+                  target_verify_ms={1: 10.0, 4: 12.0})
+    # alpha 0.8, k 4: (1 - 0.8^5) / 0.2 = 3.3616 tokens for 4 * 0.5 + 12 ms
+    assert costs.expected_speedup(0.8, 4) == pytest.approx(3.3616 * 10 / 14)
+    assert costs.expected_speedup(1.0, 1) == pytest.approx(2 * 10 / 10.5)
+    assert costs.expected_speedup(0.0, 1) == pytest.approx(10 / 10.5)
+
+
+def test_alpha_counts_only_the_draft_tokens_verification_looked_at():
+    stats = GenerationStats(speculative=True)
+    stats.record_round(k=4, n_accepted=4)  # 4 accepted
+    stats.record_round(k=4, n_accepted=1)  # 1 accepted, 1 rejected, 2 never looked at
+    assert stats.acceptance_rate == 5 / 8
+    assert stats.alpha == 5 / 6
+    assert stats.per_position_acceptance == [1.0, 0.5, 0.5, 0.5]
+
+
+def test_a_short_bench_reports_every_configuration(packages):
+    pipe = edgespec.load(packages["llama_noisy"])
+    config = BenchConfig(gammas=(1, 3), temperatures=(0.0, 1.0), max_new_tokens=16, repeats=2)
+    calls = []
+    report = run_bench(pipe, ["def add(a, b):", "The quick"], config, progress=calls.append)
+    assert calls[-1] == 2 * 2 * 2 * 3
+    assert [(r.temperature, r.gamma) for r in report.rows] == [(0, 1), (0, 3), (1, 1), (1, 3)]
+    for row in report.rows:
+        assert row.runs == 4 and row.speedup > 0 and row.expected_speedup > 0
+        assert len(row.per_position_acceptance) == row.gamma
+        assert row.efficiency == pytest.approx(row.speedup / row.expected_speedup)
+    assert set(report.costs.target_verify_ms) == {1, 2, 3}
+
+
+def test_bench_command_writes_json(packages, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"def f(x):"\n{"prompt": "import os"}\n')
+    assert read_prompts(prompts) == ["def f(x):", "import os"]
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(main, [
+        "bench", str(packages["llama_noisy"]), "--prompts", str(prompts), "--gamma", "2",
+        "--temperature", "0", "-n", "8", "--repeats", "1", "--json", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    assert "speedup" in result.stdout and "expected" in result.stdout
+    assert json.loads(out.read_text())["rows"][0]["gamma"] == 2
+
+
+def test_bench_refuses_bad_lists(packages):
+    result = CliRunner().invoke(main, ["bench", str(packages["gpt2"]), "--gamma", "0,2"])
+    assert result.exit_code == 1 and "gammas must be >= 1" in result.stderr
