@@ -27,7 +27,8 @@ class ModelSpec:
     vocab_size: int  # rows of the graph's logits, before restriction to the shared vocabulary
     kv_inputs: list[str]
     kv_outputs: list[str]
-    dtype: str = "float32"
+    dtype: str = "float32"  # what the graph computes in
+    weights_stored_fp16: int = 0  # weights stored as exact float16 values, cast back on load
     parameters: int = 0
     validation: dict = field(default_factory=dict)
 

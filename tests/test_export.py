@@ -122,3 +122,27 @@ def test_a_draft_that_cannot_propose_every_target_token_is_refused(checkpoints, 
     _save(llama(len(bpe) - 10, 32, 1, seed=12), bpe, tmp_path / "short")
     with pytest.raises(IncompatiblePairError, match="the pair shares only 390 rows"):
         export_pair(checkpoints["llama_target"], tmp_path / "short", tmp_path / "out")
+
+
+def test_fp16_weights_are_stored_at_half_size_and_compute_the_same(tmp_path):
+    import numpy as np
+
+    import edgespec
+
+    bpe = _hf_tokenizer(_train_bpe(400))
+    model = llama(len(bpe), 64, 2, seed=13)
+    _save(model, bpe, tmp_path / "fp32")
+    _save(model.to(torch.float16), bpe, tmp_path / "fp16")
+    full = export_pair(tmp_path / "fp32", tmp_path / "fp32", tmp_path / "pkg32")
+    half = export_pair(tmp_path / "fp16", tmp_path / "fp16", tmp_path / "pkg16")
+    assert full.target.weights_stored_fp16 == 0 and half.target.weights_stored_fp16 > 10
+    size = {p: (tmp_path / p / "target" / "model.onnx").stat().st_size for p in ("pkg32", "pkg16")}
+    assert size["pkg16"] < 0.6 * size["pkg32"]
+    ids = np.arange(1, 30)
+    logits = {}
+    for p in ("pkg32", "pkg16"):
+        session = edgespec.load(tmp_path / p).target
+        logits[p] = session.forward(ids, session.new_cache())
+    # the fp16 package computes in fp32 on fp16-rounded weights: close, and validated exactly
+    np.testing.assert_allclose(logits["pkg16"], logits["pkg32"], atol=0.05)
+    assert half.target.validation["max_abs_diff_no_cache"] <= 1e-4

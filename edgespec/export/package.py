@@ -16,7 +16,7 @@ from pathlib import Path
 
 import edgespec
 from edgespec.errors import ExportError
-from edgespec.export.graph import describe_graph, export_graph, load_model
+from edgespec.export.graph import describe_graph, export_graph, load_model, store_exact_fp16
 from edgespec.export.pair import Checkpoint, check_pair, read_checkpoint
 from edgespec.export.validate import validate_graph
 from edgespec.manifest import Manifest, ModelSpec
@@ -60,7 +60,8 @@ def export_pair(
 def _export_model(ckpt: Checkpoint, root: Path, role: str) -> ModelSpec:
     model = load_model(ckpt.path)
     export_graph(model, root / role)
-    spec = describe_graph(root / role, root, model)
+    stored_fp16 = store_exact_fp16(root / role)
+    spec = replace(describe_graph(root / role, root, model), weights_stored_fp16=stored_fp16)
     length = min(VALIDATION_LENGTH, ckpt.max_positions)
     deviations, failures = validate_graph(model, root, spec, length)
     if failures:
