@@ -20,6 +20,7 @@ import numpy as np
 
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.errors import EdgespecError
+from edgespec.manifest import PROMPTS_NAME
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.runtime.session import ModelSession
 
@@ -180,8 +181,6 @@ def _summarise(temperature: float, gamma: int, pairs: list, costs: Costs) -> Row
         runs=len(pairs),
     )
 
-
-PROMPTS_NAME = "prompts.jsonl"
 
 
 def read_prompts(path: Path) -> list[str]:

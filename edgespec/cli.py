@@ -170,3 +170,44 @@ def bench(package: Path | None, gammas: str, temperatures: str, max_new_tokens: 
     if plot_out:
         benchmark.plot(report, plot_out)
         click.echo(f"wrote {plot_out}", err=True)
+
+
+@main.group()
+def models() -> None:
+    """The bundled demo pair and the recipe that rebuilds it."""
+
+
+@models.command("list")
+@_user_errors
+def list_models() -> None:
+    """Show the bundled model pairs, their size and where they live."""
+    from edgespec.models import describe_pairs
+
+    for line in describe_pairs():
+        click.echo(line)
+
+
+@models.command("build-demo")
+@click.option("--out", required=True, type=click.Path(path_type=Path),
+              help="Folder to create: checkpoints/ and package/ go inside.")
+@click.option("--target-minutes", default=33.0, show_default=True, help="Target training budget.")
+@click.option("--draft-minutes", default=14.0, show_default=True, help="Draft distillation budget.")
+@click.option("--seed", default=0, show_default=True)
+@_user_errors
+def build_demo(out: Path, target_minutes: float, draft_minutes: float, seed: int) -> None:
+    """Train the demo pair on this Python's standard library and export it (needs the export extra)."""
+    if out.exists():
+        raise click.ClickException(f"{out} already exists; choose another --out")
+    try:
+        from edgespec.models import recipe
+    except ImportError as e:
+        raise click.ClickException(
+            f"build-demo needs the export extra ({e.name} is missing): pip install 'edgespec[export]'"
+        ) from None
+    config = recipe.RecipeConfig(seed=seed, target_minutes=target_minutes, draft_minutes=draft_minutes)
+    report = recipe.build_demo_package(out, config, progress=lambda line: click.echo(line, err=True))
+    click.echo(
+        f"wrote {out}: target held-out perplexity {report['target']['heldout_perplexity']:.1f}, "
+        f"draft greedy agreement {report['greedy_agreement']:.0%}",
+        err=True,
+    )

@@ -12,6 +12,8 @@ from pathlib import Path
 from edgespec.errors import ManifestError
 
 MANIFEST_NAME = "edgespec.json"
+PROMPTS_NAME = "prompts.jsonl"  # optional: prompts for `edgespec bench`, JSON Lines of strings
+REPORT_NAME = "training_report.json"  # optional: how the pair was trained (the demo pair)
 FORMAT_VERSION = 1
 
 

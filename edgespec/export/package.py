@@ -47,7 +47,7 @@ def export_pair(
         vocab_size = check_pair(target_ckpt, draft_ckpt)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _building(out) as tmp:
+    with atomic_folder(out) as tmp:
         specs = {}
         for role, ckpt in (("target", target_ckpt), ("draft", draft_ckpt)):
             with report.step(f"exporting and validating the {role} ({ckpt.path})"):
@@ -98,7 +98,7 @@ def _adds_bos(tokenizer) -> bool:
 
 
 @contextmanager
-def _building(out: Path) -> Iterator[Path]:
+def atomic_folder(out: Path) -> Iterator[Path]:
     """A temporary folder beside ``out``, renamed to ``out`` only if the block succeeds."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:

@@ -17,3 +17,31 @@ def demo_package() -> Path:
             "or rebuild it with 'edgespec models build-demo'"
         )
     return DEMO_PACKAGE
+
+
+def describe_pairs() -> list[str]:
+    """Lines for ``edgespec models list``: each bundled pair, its size, where it lives."""
+    import json
+
+    from edgespec.manifest import REPORT_NAME, Manifest
+
+    path = demo_package()
+    manifest = Manifest.read(path)
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    lines = [
+        f"demo  {size / 1e6:.0f} MB  {path}",
+        f"      target {manifest.target.architecture} {manifest.target.layers} layers, "
+        f"{manifest.target.parameters / 1e6:.1f}M parameters; draft {manifest.draft.layers} "
+        f"layers, {manifest.draft.parameters / 1e6:.1f}M; vocabulary {manifest.vocab_size}, "
+        f"context {manifest.max_positions}",
+    ]
+    report_path = path / REPORT_NAME
+    if report_path.is_file():
+        report = json.loads(report_path.read_text())
+        lines.append(
+            f"      trained on the Python {report['python_version']} standard library: held-out "
+            f"perplexity {report['target']['heldout_perplexity']:.1f} (target), "
+            f"{report['draft']['heldout_perplexity']:.1f} (draft); draft greedy agreement "
+            f"{report['greedy_agreement']:.0%}"
+        )
+    return lines

@@ -17,13 +17,16 @@ Each training phase stops on a wall-clock budget: two runs with the same seed dr
 batches in the same order, but not necessarily the same number of them.
 """
 
+import ast
 import copy
 import hashlib
 import json
 import math
 import os
 import platform
+import shutil
 import sysconfig
+import textwrap
 import time
 import tokenize
 from collections import Counter
@@ -38,10 +41,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from edgespec.errors import EdgespecError
+from edgespec.export import export_pair
+from edgespec.export.package import atomic_folder
+from edgespec.manifest import PROMPTS_NAME, REPORT_NAME
 
 Progress = Callable[[str], None]
 
 EOS_TOKEN = "<|endoftext|>"
+PROMPT_COUNT = 24
 ACCEPTANCE_TEMPERATURES = (0.7, 1.0)
 # Tests, third-party packages, and generated data: codec tables (encodings/) and pydoc's topic
 # texts (pydoc_data/), which are 18% of the stdlib's bytes but neither hand-written nor code.
@@ -143,7 +150,7 @@ class Corpus:
     train_ids: torch.Tensor  # [N_train]
     heldout_ids: torch.Tensor  # [N_heldout]
     train_files: int
-    heldout_files: int
+    heldout_files: tuple[Path, ...]
 
 
 @dataclass(frozen=True)
@@ -260,8 +267,35 @@ def prepare_corpus(config: RecipeConfig) -> Corpus:
         train_ids=encode_files(tokenizer, train_files),
         heldout_ids=encode_files(tokenizer, heldout_files),
         train_files=len(train_files),
-        heldout_files=len(heldout_files),
+        heldout_files=tuple(heldout_files),
     )
+
+
+def heldout_prompts(files: Sequence[Path], count: int, max_chars: int = 400) -> list[str]:
+    """Code-completion prompts from held-out files: a function's signature and docstring.
+
+    The models never trained on these files, so a benchmark on them measures generalisation,
+    not recall. Functions are taken in file order, round-robin over files, for variety.
+    """
+    per_file = [_documented_functions(_read_source(path), max_chars) for path in files]
+    prompts: list[str] = []
+    for round_ in range(max(map(len, per_file), default=0)):
+        prompts += [functions[round_] for functions in per_file if round_ < len(functions)]
+    return prompts[:count]
+
+
+def _documented_functions(source: str, max_chars: int) -> list[str]:
+    """The text of each documented function from ``def`` to the end of its docstring."""
+    lines = source.splitlines(keepends=True)
+    prompts = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef) or ast.get_docstring(node) is None:
+            continue
+        start = node.lineno - 1 if not node.decorator_list else node.decorator_list[0].lineno - 1
+        text = "".join(lines[start : node.body[0].end_lineno])
+        if len(text) <= max_chars:
+            prompts.append(textwrap.dedent(text))
+    return prompts
 
 
 # --- training -------------------------------------------------------------------------------
@@ -582,9 +616,35 @@ def build_demo(out_dir: Path, config: RecipeConfig, progress: Progress | None = 
         "expected_acceptance": evaluation.expected_acceptance,
         "seconds": {**seconds, "total": sum(seconds.values())},
     }
-    (out_dir / "training_report.json").write_text(json.dumps(training_report, indent=2) + "\n")
+    (out_dir / REPORT_NAME).write_text(json.dumps(training_report, indent=2) + "\n")
+    write_prompts(out_dir / PROMPTS_NAME, heldout_prompts(corpus.heldout_files, PROMPT_COUNT))
     report(f"done: wrote {out_dir}")
     return training_report
+
+
+def write_prompts(path: Path, prompts: Sequence[str]) -> None:
+    """JSON Lines, one prompt string a line (the format ``edgespec bench --prompts`` reads)."""
+    path.write_text("".join(json.dumps(prompt) + "\n" for prompt in prompts))
+
+
+def build_demo_package(out: Path, config: RecipeConfig, progress: Progress | None = None) -> dict:
+    """The whole recipe: train the pair, then export it with ``edgespec export``.
+
+    Writes out/checkpoints/{target,draft} (Hugging Face, float16) and out/package (the edgespec
+    package, with the training report and held-out prompts). Atomic: nothing is left at out if
+    any step fails or is interrupted.
+    """
+    with atomic_folder(out) as tmp:
+        training_report = build_demo(tmp / "checkpoints", config, progress)
+        package_demo(tmp / "checkpoints", tmp / "package", progress)
+    return training_report
+
+
+def package_demo(checkpoints: Path, package: Path, progress: Progress | None = None) -> None:
+    """Export trained checkpoints into an edgespec package carrying the report and prompts."""
+    export_pair(checkpoints / "target", checkpoints / "draft", package, progress=progress)
+    for name in (REPORT_NAME, PROMPTS_NAME):
+        shutil.copyfile(checkpoints / name, package / name)
 
 
 @contextmanager
@@ -598,7 +658,7 @@ def _stopwatch(seconds: dict[str, float], phase: str) -> Iterator[None]:
 def _corpus_report(corpus: Corpus) -> dict:
     return {
         "train_files": corpus.train_files,
-        "heldout_files": corpus.heldout_files,
+        "heldout_files": len(corpus.heldout_files),
         "train_tokens": len(corpus.train_ids),
         "heldout_tokens": len(corpus.heldout_ids),
         "vocab_size": len(corpus.tokenizer),
