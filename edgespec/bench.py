@@ -22,7 +22,7 @@ from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.errors import EdgespecError
 from edgespec.manifest import PROMPTS_NAME
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.session import ModelSession
+from edgespec.runtime.schedule import StepCosts, calibrate
 
 
 @dataclass(frozen=True)
@@ -44,22 +44,18 @@ class BenchConfig:
 
 @dataclass(frozen=True)
 class Costs:
-    """Median milliseconds of one run of each kind at a typical context length."""
+    """Step costs measured at a typical context length (see runtime/schedule.py)."""
 
     context: int
-    draft_step_ms: float
-    target_step_ms: float
-    target_verify_ms: dict[int, float]  # k -> verify k+1 tokens
+    steps: StepCosts
 
     def expected_speedup(self, alpha: float, k: int) -> float:
         """Leviathan et al.'s expected speedup with the verify cost measured.
 
-        tokens per round (1 - alpha^(k+1)) / (1 - alpha), at a cost of k draft steps and one
-        verify of k+1 tokens, against one target step per token.
+        (1 - alpha^(k+1)) / (1 - alpha) tokens per round, at the cost of k draft steps and one
+        target run on k+1 tokens, against one target step per token.
         """
-        tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-        round_ms = k * self.draft_step_ms + self.target_verify_ms[k]
-        return tokens * self.target_step_ms / round_ms
+        return self.steps.tokens_per_ms(alpha, k) * self.steps.target_ms[0]
 
 
 @dataclass
@@ -91,30 +87,6 @@ class BenchReport:
         return asdict(self)
 
 
-def measure_costs(pipe: Pipeline, context: int, kmax: int, repeats: int = 30) -> Costs:
-    """Time single runs of the draft and target sessions on a cache of ``context`` tokens."""
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, pipe.manifest.vocab_size, size=context + kmax + 1)
-
-    def timed(session: ModelSession, n: int) -> float:
-        cache = session.new_cache()
-        session.forward(ids[:context], cache)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            session.forward(ids[context : context + n], cache)
-            times.append(time.perf_counter() - start)
-            cache.crop(context)
-        return 1e3 * statistics.median(times)
-
-    return Costs(
-        context=context,
-        draft_step_ms=timed(pipe.draft, 1),
-        target_step_ms=timed(pipe.target, 1),
-        target_verify_ms={k: timed(pipe.target, k + 1) for k in range(1, kmax + 1)},
-    )
-
-
 def run_bench(
     pipe: Pipeline,
     prompts: list[str],
@@ -129,8 +101,8 @@ def run_bench(
     progress = progress or (lambda n: None)
     pipe.generate(prompts[0], max_new_tokens=8)  # warm both sessions up
     typical_context = len(pipe.encode(prompts[0])) + config.max_new_tokens // 2
-    costs = measure_costs(pipe, min(typical_context, pipe.manifest.max_positions - 16),
-                          max(config.gammas))
+    context = min(typical_context, pipe.manifest.max_positions - max(config.gammas) - 2)
+    costs = Costs(context, calibrate(pipe.target, pipe.draft, context, max(config.gammas)))
     report = BenchReport(config, costs, prompts=len(prompts))
     done = 0
     for temperature in config.temperatures:
@@ -198,11 +170,11 @@ def read_prompts(path: Path) -> list[str]:
 
 
 def format_table(report: BenchReport) -> str:
-    c = report.costs
-    verify = ", ".join(f"k={k}: {ms:.2f}" for k, ms in c.target_verify_ms.items())
+    steps = report.costs.steps
+    verify = ", ".join(f"k={k}: {ms:.2f}" for k, ms in enumerate(steps.target_ms[1:], 1))
     lines = [
-        f"costs at context {c.context}: draft step {c.draft_step_ms:.3f} ms, target step "
-        f"{c.target_step_ms:.3f} ms, target verify of k+1 tokens (ms) {verify}",
+        f"costs at context {report.costs.context}: draft step {steps.draft_step_ms:.3f} ms, "
+        f"target step {steps.target_ms[0]:.3f} ms, target verify of k+1 tokens (ms) {verify}",
         f"{report.prompts} prompts x {report.config.repeats} repeats, "
         f"{report.config.max_new_tokens} new tokens; medians",
         "",

@@ -70,7 +70,11 @@ def export(target: Path, draft: Path, out: Path, overwrite: bool) -> None:
 @click.option("--temperature", "-t", default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", default=0, show_default=True, help="0 keeps all tokens.")
 @click.option("--top-p", default=1.0, show_default=True, help="1 keeps all tokens.")
-@click.option("--gamma", "-k", default=4, show_default=True, help="Tokens drafted per round.")
+@click.option("--gamma", "-k", default=4, show_default=True,
+              help="Tokens drafted per round (the most, with --schedule adaptive/heuristic).")
+@click.option("--schedule", default="fixed", show_default=True,
+              type=click.Choice(["fixed", "heuristic", "adaptive"]),
+              help="How each round's draft length is chosen.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling.")
 @click.option("--stop", multiple=True, help="Stop at this string (repeatable).")
 @click.option("--no-draft", is_flag=True, help="Decode with the target alone (the baseline).")
@@ -79,7 +83,7 @@ def export(target: Path, draft: Path, out: Path, overwrite: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print text and stats as one JSON object.")
 @_user_errors
 def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float, top_k: int,
-             top_p: float, gamma: int, seed: int | None, stop: tuple[str, ...], no_draft: bool,
+             top_p: float, gamma: int, schedule: str, seed: int | None, stop: tuple[str, ...], no_draft: bool,
              provider: str, as_json: bool) -> None:
     """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair)."""
     from edgespec.config import GenerationConfig, SamplingConfig
@@ -95,6 +99,7 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float, top
         max_new_tokens=max_new_tokens,
         sampling=SamplingConfig(temperature, top_k, top_p),
         gamma=gamma,
+        schedule=schedule,
         use_draft=not no_draft,
         seed=seed,
         stop=stop,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SCHEDULES = ("fixed", "heuristic", "adaptive")  # how the draft length k is chosen each round
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -36,7 +38,10 @@ class GenerationConfig:
     """One generation request.
 
     max_new_tokens: stop after this many generated tokens.
-    gamma: tokens the draft proposes per round (k in the papers).
+    gamma: tokens the draft proposes per round (k in the papers); the most it may propose
+        with the "heuristic" and "adaptive" schedules.
+    schedule: "fixed" (always gamma), "heuristic" (transformers' +2/-1 rule) or "adaptive"
+        (k maximising expected tokens/s from measured costs; see runtime/schedule.py).
     use_draft: False decodes with the target alone (the baseline speculative decoding must match).
     seed: seeds the sampler; the same seed gives the same text.
     stop: strings that end generation; the text is cut before the first one found.
@@ -45,6 +50,7 @@ class GenerationConfig:
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     gamma: int = 4
+    schedule: str = "fixed"
     use_draft: bool = True
     seed: int | None = None
     stop: tuple[str, ...] = ()
@@ -54,5 +60,7 @@ class GenerationConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.gamma < 1:
             raise ValueError(f"gamma must be >= 1 (tokens drafted per round), got {self.gamma}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")

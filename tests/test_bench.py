@@ -9,13 +9,13 @@ from click.testing import CliRunner
 
 import edgespec
 from edgespec.bench import BenchConfig, Costs, read_prompts, run_bench
+from edgespec.runtime.schedule import StepCosts
 from edgespec.cli import main
 from edgespec.runtime.stats import GenerationStats
 
 
 def test_expected_speedup_is_leviathans_formula():
-    costs = Costs(context=10, draft_step_ms=0.5, target_step_ms=10.0,
-                  target_verify_ms={1: 10.0, 4: 12.0})
+    costs = Costs(10, StepCosts(draft_step_ms=0.5, target_ms=(10.0, 10.0, 11, 11.5, 12.0)))
     # alpha 0.8, k 4: (1 - 0.8^5) / 0.2 = 3.3616 tokens for 4 * 0.5 + 12 ms
     assert costs.expected_speedup(0.8, 4) == pytest.approx(3.3616 * 10 / 14)
     assert costs.expected_speedup(1.0, 1) == pytest.approx(2 * 10 / 10.5)
@@ -42,7 +42,7 @@ def test_a_short_bench_reports_every_configuration(packages):
         assert row.runs == 4 and row.speedup > 0 and row.expected_speedup > 0
         assert len(row.per_position_acceptance) == row.gamma
         assert row.efficiency == pytest.approx(row.speedup / row.expected_speedup)
-    assert set(report.costs.target_verify_ms) == {1, 2, 3}
+    assert len(report.costs.steps.target_ms) == 4
 
 
 def test_bench_command_writes_json(packages, tmp_path):

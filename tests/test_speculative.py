@@ -38,6 +38,17 @@ def test_greedy_speculative_equals_target_only(pipes, pair):
             assert result.text == baseline.text
 
 
+@pytest.mark.parametrize("schedule", ["heuristic", "adaptive"])
+@pytest.mark.parametrize("pair", ["gpt2", "llama_noisy"])
+def test_greedy_identity_holds_whatever_the_schedule(pipes, pair, schedule):
+    pipe = pipes[pair]
+    for prompt in PROMPTS:
+        baseline = pipe.generate(prompt, max_new_tokens=48, use_draft=False)
+        result = pipe.generate(prompt, max_new_tokens=48, gamma=6, schedule=schedule)
+        assert result.token_ids == baseline.token_ids, prompt
+        assert sum(result.stats.draft_lengths.values()) == result.stats.target_calls
+
+
 def test_greedy_identity_exercises_both_accept_and_reject(pipes):
     """The noisy draft agrees only sometimes, so the identity above covered partial rounds."""
     stats = [pipes["llama_noisy"].generate(p, max_new_tokens=48, gamma=4).stats for p in PROMPTS]
@@ -109,12 +120,13 @@ def exact_two_token_distribution(pipe, sampling: SamplingConfig) -> dict:
 
 
 def two_token_samples(pipe, sampling, n: int, use_draft=True) -> list[tuple]:
+    """First two tokens of n generations whose first round drafts two tokens."""
     return [
         tuple(
             pipe.generate(
-                PROMPT, max_new_tokens=2, gamma=2, use_draft=use_draft, seed=seed,
+                PROMPT, max_new_tokens=3, gamma=2, use_draft=use_draft, seed=seed,
                 temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-            ).token_ids
+            ).token_ids[:2]
         )
         for seed in range(n)
     ]

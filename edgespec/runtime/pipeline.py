@@ -12,6 +12,14 @@ from tokenizers import Tokenizer
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.errors import GenerationError
 from edgespec.manifest import Manifest
+from edgespec.runtime.schedule import (
+    AdaptiveSchedule,
+    FixedSchedule,
+    HeuristicSchedule,
+    Schedule,
+    StepCosts,
+    calibrate,
+)
 from edgespec.runtime.session import ModelSession, SessionConfig, default_session_configs
 from edgespec.runtime.speculative import decode
 from edgespec.runtime.stats import GenerationStats
@@ -72,6 +80,7 @@ class Pipeline:
         for warning in {self.target.warning, self.draft.warning} - {None}:
             warnings.warn(warning, stacklevel=2)
         self.tokenizer = Tokenizer.from_file(str(self.path / m.tokenizer))
+        self._costs: dict[int, StepCosts] = {}
 
     def encode(self, prompt: str) -> list[int]:
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
@@ -97,7 +106,9 @@ class Pipeline:
         def pieces() -> Iterator[str]:
             detok, stops = IncrementalDecoder(self.tokenizer), StopMatcher(config.stop)
             eos = set(self.manifest.eos_token_ids)
-            for new in decode(self.target, self.draft, prompt_ids, config, limit, eos, stats):
+            schedule = self._schedule(config)
+            rounds = decode(self.target, self.draft, prompt_ids, config, schedule, limit, eos, stats)
+            for new in rounds:
                 generated.extend(new)
                 text, stopped = stops.feed(detok.add(new))
                 if text:
@@ -113,13 +124,31 @@ class Pipeline:
 
         return TextStream(pieces(), lambda text: GenerationResult(text, generated, stats))
 
+    def _schedule(self, config: GenerationConfig) -> Schedule:
+        if config.schedule == "heuristic":
+            return HeuristicSchedule(config.gamma)
+        if config.schedule == "adaptive":
+            return AdaptiveSchedule(self.step_costs(config.gamma))
+        return FixedSchedule(config.gamma)
+
+    def step_costs(self, kmax: int) -> StepCosts:
+        """Draft and target run times for k = 0..kmax, measured once per kmax and kept.
+
+        Measured at a context of a quarter of the window (at most 256 tokens), where typical
+        prompts and continuations sit.
+        """
+        if kmax not in self._costs:
+            context = min(256, self.manifest.max_positions // 4)
+            self._costs[kmax] = calibrate(self.target, self.draft, context, kmax)
+        return self._costs[kmax]
+
     def generate(
         self, prompt: str, config: GenerationConfig | None = None, **settings
     ) -> GenerationResult:
         """Generate a continuation of ``prompt``.
 
         ``config`` gives every setting at once; keyword settings override its fields:
-        max_new_tokens, gamma, use_draft, seed, stop, temperature, top_k, top_p.
+        max_new_tokens, gamma, schedule, use_draft, seed, stop, temperature, top_k, top_p.
         """
         stream = self.stream(prompt, config, **settings)
         for _ in stream:

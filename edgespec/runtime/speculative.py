@@ -15,6 +15,7 @@ import numpy as np
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.runtime.kv_cache import KVCache
 from edgespec.runtime.sampling import process_logits, sample, verify
+from edgespec.runtime.schedule import Schedule
 from edgespec.runtime.session import ModelSession
 from edgespec.runtime.stats import GenerationStats
 
@@ -122,14 +123,16 @@ def decode(
     draft: ModelSession | None,
     prompt: list[int],
     config: GenerationConfig,
+    schedule: Schedule,
     max_positions: int,
     eos_token_ids: set[int],
     stats: GenerationStats,
 ) -> Iterator[list[int]]:
     """Yield the tokens each round commits, until EOS, ``max_new_tokens`` or the context ends.
 
-    ``draft`` None (or ``config.use_draft`` False) decodes with the target alone. An EOS token
-    is yielded and ends the generation. ``stats.finish_reason`` says why it stopped.
+    ``draft`` None (or ``config.use_draft`` False) decodes with the target alone; otherwise
+    ``schedule`` picks each round's k (0: a plain target step). An EOS token is yielded and
+    ends the generation. ``stats.finish_reason`` says why it stopped.
     """
     rng = np.random.default_rng(config.seed)
     clock = _Clock(stats)
@@ -149,13 +152,17 @@ def decode(
     while True:
         remaining = config.max_new_tokens - stats.new_tokens
         # Drafting more than remaining - 1 is wasted; the target must fit k more positions.
-        k = min(config.gamma, remaining - 1, max_positions - len(committed))
+        k = min(schedule.next_k(), remaining - 1, max_positions - len(committed))
+        if speculative:
+            stats.draft_lengths[k] = stats.draft_lengths.get(k, 0) + 1
         if speculative and k > 0:
             new = speculative_round(
                 target_decoder, draft_decoder, committed, k, config.sampling, rng, stats
             )
+            schedule.update(k, n_accepted=len(new) - 1)
         else:
             new = target_step(target_decoder, committed, config.sampling, rng, stats)
+            schedule.update(0, 0)
         assert target_decoder.cache.length == len(committed) + len(new) - 1, "cache invariant"
 
         ends_at_eos = next((i for i, t in enumerate(new) if t in eos_token_ids), None)

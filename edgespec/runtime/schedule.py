@@ -1,0 +1,144 @@
+"""How many tokens the draft proposes each round.
+
+Any choice of k keeps the output exact, as long as it depends only on rounds already verified:
+each round is a complete speculative sampling step whatever its k. The choice only moves speed.
+
+- ``fixed``: always gamma.
+- ``heuristic``: transformers' assisted-generation schedule: +2 after a round that accepted
+  every draft token, -1 otherwise (transformers' ``num_assistant_tokens_schedule="heuristic"``).
+- ``adaptive``: k maximising expected tokens per second, from costs measured at load and the
+  acceptance rate measured so far; k = 0 (a plain target step) when speculation is not
+  expected to pay.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from edgespec.runtime.session import ModelSession
+
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Milliseconds of one draft step and of one target run on n tokens (n = 1..kmax+1)."""
+
+    draft_step_ms: float
+    target_ms: tuple[float, ...]  # target_ms[n - 1]: a run on n tokens
+
+    @property
+    def kmax(self) -> int:
+        return len(self.target_ms) - 1
+
+    def round_ms(self, k: int) -> float:
+        return k * self.draft_step_ms + self.target_ms[k]
+
+    def tokens_per_ms(self, alpha: float, k: int) -> float:
+        """Expected tokens per ms of a round drafting k tokens (Leviathan et al. 2023, eq. 1).
+
+        A round yields (1 - alpha^(k+1)) / (1 - alpha) tokens on average when each draft token
+        is accepted with probability alpha, independently.
+        """
+        tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+        return tokens / self.round_ms(k)
+
+
+class Schedule(Protocol):
+    def next_k(self) -> int:
+        """Draft tokens wanted this round; 0 asks for a plain target step."""
+
+    def update(self, k: int, n_accepted: int) -> None:
+        """Learn from a round that drafted k tokens and accepted n_accepted (k = 0: none)."""
+
+
+class FixedSchedule:
+    def __init__(self, gamma: int):
+        self.gamma = gamma
+
+    def next_k(self) -> int:
+        return self.gamma
+
+    def update(self, k: int, n_accepted: int) -> None:
+        pass
+
+
+class HeuristicSchedule:
+    """transformers' heuristic: start at gamma, +2 if all accepted, else -1 (never below 1)."""
+
+    def __init__(self, gamma: int, kmax: int = 32):
+        self.k, self.kmax = gamma, kmax
+
+    def next_k(self) -> int:
+        return self.k
+
+    def update(self, k: int, n_accepted: int) -> None:
+        self.k = min(self.k + 2, self.kmax) if n_accepted == k else max(1, self.k - 1)
+
+
+class AdaptiveSchedule:
+    """Pick k each round to maximise expected tokens/s under the measured costs.
+
+    alpha, the chance one draft token is accepted, is estimated from the tokens verification
+    looked at (accepted ones, plus the one rejection of each round that had one), with
+    exponential forgetting so it follows the text: code boilerplate drafts well, names do not.
+    The estimate starts from ``prior_alpha`` worth ``prior_weight`` tokens. While speculation
+    is off (k = 0) nothing is learnt, so every ``probe_every`` target-only steps one round
+    with k = 1 checks whether the draft has become useful again.
+    """
+
+    def __init__(
+        self,
+        costs: StepCosts,
+        prior_alpha: float = 0.6,
+        prior_weight: float = 4.0,
+        decay: float = 0.9,
+        probe_every: int = 8,
+    ):
+        self.costs, self.decay, self.probe_every = costs, decay, probe_every
+        self.accepted, self.looked_at = prior_alpha * prior_weight, prior_weight
+        self.steps_off = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.looked_at
+
+    def next_k(self) -> int:
+        rates = [self.costs.tokens_per_ms(self.alpha, k) for k in range(self.costs.kmax + 1)]
+        best = max(range(len(rates)), key=rates.__getitem__)
+        if best == 0 and self.steps_off >= self.probe_every:
+            return 1
+        return best
+
+    def update(self, k: int, n_accepted: int) -> None:
+        if k == 0:
+            self.steps_off += 1
+            return
+        self.steps_off = 0
+        self.accepted = self.decay * self.accepted + n_accepted
+        self.looked_at = self.decay * self.looked_at + n_accepted + (n_accepted < k)
+
+
+def calibrate(
+    target: ModelSession, draft: ModelSession, context: int, kmax: int, repeats: int = 20
+) -> StepCosts:
+    """Median time of a draft step and of target runs on 1..kmax+1 tokens after ``context``."""
+    ids = np.random.default_rng(0).integers(0, target.vocab_size, size=context + kmax + 1)
+
+    def timed(session: ModelSession, n: int) -> float:
+        cache = session.new_cache()
+        session.forward(ids[:context], cache)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            session.forward(ids[context : context + n], cache)
+            times.append(time.perf_counter() - start)
+            cache.crop(context)
+        return 1e3 * statistics.median(times)
+
+    timed(target, 1)  # first runs pay for allocations
+    return StepCosts(timed(draft, 1), tuple(timed(target, n) for n in range(1, kmax + 2)))

@@ -1,0 +1,58 @@
+"""Draft-length schedules: what each picks. (Exactness under every schedule: test_speculative.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from edgespec.runtime.schedule import AdaptiveSchedule, HeuristicSchedule, StepCosts
+
+# a target run costs 10 ms for one token and 1 ms more per extra token
+CHEAP_DRAFT = StepCosts(draft_step_ms=0.5, target_ms=tuple(10.0 + n for n in range(9)))
+COSTLY_DRAFT = StepCosts(draft_step_ms=9.0, target_ms=tuple(10.0 + n for n in range(9)))
+
+
+def test_tokens_per_ms_follows_the_geometric_acceptance_model():
+    # alpha 0.5, k 2: 1 + 0.5 + 0.25 tokens in 2 * 0.5 + 12 ms
+    assert CHEAP_DRAFT.tokens_per_ms(0.5, 2) == pytest.approx(1.75 / 13)
+    assert CHEAP_DRAFT.tokens_per_ms(1.0, 3) == pytest.approx(4 / 14.5)
+    assert CHEAP_DRAFT.tokens_per_ms(0.3, 0) == pytest.approx(1 / 10)
+
+
+def test_heuristic_grows_by_two_on_full_acceptance_and_shrinks_by_one():
+    schedule = HeuristicSchedule(gamma=4)
+    schedule.update(4, 4)
+    assert schedule.next_k() == 6
+    schedule.update(6, 2)
+    assert schedule.next_k() == 5
+    for _ in range(10):
+        schedule.update(schedule.next_k(), 0)
+    assert schedule.next_k() == 1
+
+
+def test_adaptive_drafts_long_when_the_draft_is_cheap_and_good():
+    schedule = AdaptiveSchedule(CHEAP_DRAFT, prior_alpha=0.6)
+    for _ in range(20):
+        k = schedule.next_k()
+        schedule.update(k, k)  # everything accepted
+    assert schedule.alpha > 0.9
+    assert schedule.next_k() == CHEAP_DRAFT.kmax
+
+
+def test_adaptive_turns_speculation_off_when_it_cannot_pay_and_probes_again():
+    schedule = AdaptiveSchedule(COSTLY_DRAFT, prior_alpha=0.3, probe_every=4)
+    assert schedule.next_k() == 0
+    ks = []
+    for _ in range(10):
+        k = schedule.next_k()
+        ks.append(k)
+        schedule.update(k, 0)
+    assert ks == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+
+
+def test_adaptive_shortens_k_as_acceptance_falls():
+    schedule = AdaptiveSchedule(CHEAP_DRAFT, prior_alpha=0.9, prior_weight=10)
+    first = schedule.next_k()
+    for _ in range(15):
+        schedule.update(2, 0)  # the draft's first token is always rejected
+    assert schedule.alpha < 0.3
+    assert schedule.next_k() < first
