@@ -80,11 +80,13 @@ def export(target: Path, draft: Path, out: Path, overwrite: bool) -> None:
 @click.option("--no-draft", is_flag=True, help="Decode with the target alone (the baseline).")
 @click.option("--provider", default="auto", show_default=True,
               type=click.Choice(["auto", "cpu", "cuda", "tensorrt"]))
+@click.option("--draft-provider", type=click.Choice(["auto", "cpu", "cuda", "tensorrt"]),
+              help="Where the draft runs, if not where the target does.")
 @click.option("--json", "as_json", is_flag=True, help="Print text and stats as one JSON object.")
 @_user_errors
 def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float, top_k: int,
              top_p: float, gamma: int, schedule: str, seed: int | None, stop: tuple[str, ...], no_draft: bool,
-             provider: str, as_json: bool) -> None:
+             provider: str, draft_provider: str | None, as_json: bool) -> None:
     """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair)."""
     from edgespec.config import GenerationConfig, SamplingConfig
     from edgespec.runtime import load
@@ -104,7 +106,7 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float, top
         seed=seed,
         stop=stop,
     )
-    pipe = load(package, provider=provider)
+    pipe = load(package, provider=provider, draft_provider=draft_provider)
     stream = pipe.stream(prompt, config)
     if as_json:
         text = "".join(stream)

@@ -105,3 +105,17 @@ def test_a_real_process_prints_no_traceback(tmp_path):
     )
     assert proc.returncode == 1
     assert proc.stderr == "Error: top_p must be in (0, 1], got 2.0\n"
+
+
+def test_an_unavailable_provider_falls_back_to_cpu_with_one_warning(packages):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("CUDA is available here; the fallback is what this test checks")
+    result = run("generate", packages["gpt2"], "hi", "-n", 4, "--provider", "cuda")
+    assert result.exit_code == 0
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "running on CPU" in warnings[0]
+    with pytest.warns(UserWarning, match="running on CPU"):
+        pipe = edgespec.load(packages["gpt2"], provider="cuda")
+    assert pipe.target.providers == ["CPUExecutionProvider"]

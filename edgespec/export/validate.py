@@ -13,7 +13,8 @@ import torch
 from transformers import PreTrainedModel
 
 from edgespec.manifest import ModelSpec
-from edgespec.runtime.session import ModelSession, SessionConfig
+from edgespec.runtime.providers import SessionConfig
+from edgespec.runtime.session import ModelSession
 
 FP32_ATOL = 1e-3  # absolute, on logits; fp32 graphs measured here differ by ~1e-5
 

@@ -20,7 +20,8 @@ from edgespec.runtime.schedule import (
     StepCosts,
     calibrate,
 )
-from edgespec.runtime.session import ModelSession, SessionConfig, default_session_configs
+from edgespec.runtime.providers import SessionConfig, default_session_configs
+from edgespec.runtime.session import ModelSession
 from edgespec.runtime.speculative import decode
 from edgespec.runtime.stats import GenerationStats
 from edgespec.runtime.text import IncrementalDecoder, StopMatcher
@@ -66,10 +67,11 @@ class Pipeline:
         target: SessionConfig | None = None,
         draft: SessionConfig | None = None,
         provider: str = "auto",
+        draft_provider: str | None = None,
     ):
         self.path = Path(path)
         self.manifest = Manifest.read(self.path)
-        default_target, default_draft = default_session_configs(provider)
+        default_target, default_draft = default_session_configs(provider, draft_provider)
         m = self.manifest
         self.target = ModelSession(
             self.path / m.target.path, m.target, m.vocab_size, target or default_target
@@ -174,8 +176,14 @@ def make_config(config: GenerationConfig | None = None, **settings) -> Generatio
 def load(
     path: str | Path,
     provider: str = "auto",
+    draft_provider: str | None = None,
     target: SessionConfig | None = None,
     draft: SessionConfig | None = None,
 ) -> Pipeline:
-    """Load an exported package; ``target`` / ``draft`` override the default session settings."""
-    return Pipeline(path, target=target, draft=draft, provider=provider)
+    """Load an exported package.
+
+    provider: where both models run ("auto", "cpu", "cuda", "tensorrt"); draft_provider, if
+    given, overrides it for the draft (a tiny draft can stay on the CPU next to a GPU target).
+    target / draft: full SessionConfig per model, overriding the defaults.
+    """
+    return Pipeline(path, target, draft, provider, draft_provider)
