@@ -31,6 +31,7 @@ class ModelSpec:
     kv_outputs: list[str]
     dtype: str = "float32"  # what the graph computes in
     weights_stored_fp16: int = 0  # weights stored as exact float16 values, cast back on load
+    quantization: str | None = None  # "int8" / "int4": block-wise weight-only MatMulNBits
     parameters: int = 0
     validation: dict = field(default_factory=dict)
 

@@ -21,7 +21,8 @@ def test_manifest_describes_both_graphs(packages, checkpoints):
         assert spec.layers == layers and spec.kv_heads == 2
         assert len(spec.kv_inputs) == len(spec.kv_outputs) == 2 * layers
         assert spec.kv_inputs[0] == "past_key_values.0.key"
-        assert spec.validation["max_abs_diff_one_token_steps"] <= spec.validation["atol"]
+        assert spec.validation["max_abs_diff_one_token_steps"] <= spec.validation["tolerance"]
+        assert spec.validation["max_abs_diff_cached_vs_uncached"] < 1e-5
     assert manifest.max_positions == 128
     assert manifest.eos_token_ids == [0] and manifest.bos_token_id == 0
     assert manifest.source["target"].endswith("llama_target")
@@ -79,11 +80,11 @@ def test_fp16_checkpoints_export_and_validate(tmp_path):
     assert json.loads((target / "config.json").read_text())["dtype"] == "float16"
     manifest = export_pair(target, draft, tmp_path / "pkg")
     assert manifest.target.dtype == "float32"
-    assert manifest.target.validation["max_abs_diff_no_cache"] <= manifest.target.validation["atol"]
+    assert manifest.target.validation["max_abs_diff_no_cache"] <= manifest.target.validation["tolerance"]
 
 
 def test_validation_failures_are_collected_and_nothing_is_left(checkpoints, tmp_path, monkeypatch):
-    monkeypatch.setattr(validate, "FP32_ATOL", 1e-12)
+    monkeypatch.setitem(validate.TOLERANCES, "fp32", 1e-12)
     out = tmp_path / "pkg"
     with pytest.raises(ExportError) as failure:
         export_pair(checkpoints["llama_target"], checkpoints["llama_draft"], out)
@@ -146,3 +147,28 @@ def test_fp16_weights_are_stored_at_half_size_and_compute_the_same(tmp_path):
     # the fp16 package computes in fp32 on fp16-rounded weights: close, and validated exactly
     np.testing.assert_allclose(logits["pkg16"], logits["pkg32"], atol=0.05)
     assert half.target.validation["max_abs_diff_no_cache"] <= 1e-4
+
+
+@pytest.mark.parametrize("options", [{"quantize": "int8"}, {"quantize": "int4"}, {"dtype": "fp16"}])
+def test_reduced_precision_exports_validate_and_stay_exact(checkpoints, tmp_path, options):
+    """Quantized graphs are weight-only, so verify runs and single steps still agree exactly."""
+    import edgespec
+
+    manifest = export_pair(checkpoints["llama_target"], checkpoints["llama_noisy"], tmp_path / "p",
+                           **options)
+    variant = options.get("quantize") or options.get("dtype")
+    for spec in (manifest.target, manifest.draft):
+        assert spec.validation["variant"] == variant
+        assert spec.validation["max_abs_diff_no_cache"] <= spec.validation["tolerance"]
+    assert manifest.target.quantization == options.get("quantize")
+    assert manifest.target.dtype == ("float16" if variant == "fp16" else "float32")
+    pipe = edgespec.load(tmp_path / "p")
+    for prompt in ("def add(a, b):", "The quick brown"):
+        baseline = pipe.generate(prompt, max_new_tokens=32, use_draft=False).token_ids
+        assert pipe.generate(prompt, max_new_tokens=32, gamma=3).token_ids == baseline
+
+
+def test_quantize_and_fp16_together_are_refused(checkpoints, tmp_path):
+    with pytest.raises(ExportError, match="--quantize works on fp32 graphs"):
+        export_pair(checkpoints["gpt2_target"], checkpoints["gpt2_draft"], tmp_path / "p",
+                    dtype="fp16", quantize="int4")

@@ -9,7 +9,6 @@ from contextlib import contextmanager
 import warnings
 from pathlib import Path
 
-import numpy as np
 import onnxruntime as ort
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -18,8 +17,7 @@ from edgespec.errors import ExportError
 from edgespec.manifest import ModelSpec
 
 TASK = "text-generation-with-past"
-_MIN_WEIGHT_SIZE = 1024  # smaller constants are not worth a Cast node
-_PROTOBUF_LIMIT = 2**31 - 2**26  # beyond this, weights go to model.onnx_data
+_ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16"}
 
 
 def load_model(path: Path) -> PreTrainedModel:
@@ -45,46 +43,6 @@ def export_graph(model: PreTrainedModel, folder: Path) -> None:
     shutil.rmtree(scratch)
 
 
-def store_exact_fp16(folder: Path) -> int:
-    """Store float32 weights that are exactly float16 values as float16, with a Cast back.
-
-    Lossless: only weights whose every value survives the round trip are converted, and
-    onnxruntime folds each Cast into a float32 weight when the session loads, so the graph
-    computes exactly as before. Checkpoints saved in fp16 halve their package size this way.
-    Returns the number of weights converted.
-    """
-    import onnx
-    from onnx import helper, numpy_helper
-
-    path = folder / "model.onnx"
-    model = onnx.load(str(path))
-    casts, converted = [], 0
-    for init in model.graph.initializer:
-        if init.data_type != onnx.TensorProto.FLOAT or _size(init) < _MIN_WEIGHT_SIZE:
-            continue
-        weights = numpy_helper.to_array(init)
-        half = weights.astype(np.float16)
-        if not np.array_equal(half.astype(np.float32), weights, equal_nan=True):
-            continue
-        name = init.name
-        init.CopyFrom(numpy_helper.from_array(half, f"{name}.fp16"))
-        casts.append(helper.make_node("Cast", [f"{name}.fp16"], [name], to=onnx.TensorProto.FLOAT))
-        converted += 1
-    if converted:
-        nodes = [*casts, *model.graph.node]
-        del model.graph.node[:]
-        model.graph.node.extend(nodes)
-        for stale in folder.glob("model.onnx*"):
-            stale.unlink()
-        big = sum(len(init.raw_data) for init in model.graph.initializer) > _PROTOBUF_LIMIT
-        onnx.save(model, str(path), save_as_external_data=big, location="model.onnx_data")
-    return converted
-
-
-def _size(init) -> int:
-    return int(np.prod(init.dims)) if init.dims else 1
-
-
 def describe_graph(folder: Path, root: Path, model: PreTrainedModel) -> ModelSpec:
     """Read KV names and shapes from the exported graph itself, not from the config."""
     path = folder / "model.onnx"
@@ -105,7 +63,7 @@ def describe_graph(folder: Path, root: Path, model: PreTrainedModel) -> ModelSpe
         vocab_size=int(outputs["logits"].shape[-1]),
         kv_inputs=kv_inputs,
         kv_outputs=kv_outputs,
-        dtype="float32",
+        dtype=_ORT_DTYPES[outputs["logits"].type],
         parameters=sum(p.numel() for p in model.parameters()),
     )
 

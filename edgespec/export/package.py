@@ -16,7 +16,14 @@ from pathlib import Path
 
 import edgespec
 from edgespec.errors import ExportError
-from edgespec.export.graph import describe_graph, export_graph, load_model, store_exact_fp16
+from edgespec.export.graph import describe_graph, export_graph, load_model
+from edgespec.export.precision import (
+    DTYPES,
+    QUANTIZATIONS,
+    convert_fp16,
+    quantize_weights,
+    store_exact_fp16,
+)
 from edgespec.export.pair import Checkpoint, check_pair, read_checkpoint
 from edgespec.export.validate import validate_graph
 from edgespec.manifest import Manifest, ModelSpec
@@ -30,13 +37,25 @@ def export_pair(
     draft: str | Path,
     out: str | Path,
     overwrite: bool = False,
+    dtype: str = "fp32",
+    quantize: str | None = None,
     progress: Progress | None = None,
 ) -> Manifest:
     """Export a target/draft pair of Hugging Face causal LMs into the package folder ``out``.
 
-    ``progress`` receives one line as each step starts and ends.
+    dtype: "fp32" (CPU; weights that are exact fp16 values are stored as fp16, losslessly) or
+        "fp16" (compute in fp16, for GPUs).
+    quantize: None, "int8" or "int4": block-wise weight-only quantization of the MatMuls.
+    progress: receives one line as each step starts and ends.
     """
     out = Path(out)
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if quantize not in (None, *QUANTIZATIONS):
+        raise ExportError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
+    if quantize and dtype != "fp32":
+        raise ExportError("--quantize works on fp32 graphs; drop --dtype fp16 or --quantize")
+    variant = quantize or dtype
     report = _Steps(progress or (lambda line: None), total=4)
     if out.exists() and not overwrite and any(out.iterdir()):
         raise ExportError(f"{out} already exists; choose another --out or pass --overwrite")
@@ -51,19 +70,30 @@ def export_pair(
         specs = {}
         for role, ckpt in (("target", target_ckpt), ("draft", draft_ckpt)):
             with report.step(f"exporting and validating the {role} ({ckpt.path})"):
-                specs[role] = _export_model(ckpt, tmp, role)
+                specs[role] = _export_model(ckpt, tmp, role, variant)
         with report.step("writing tokenizer and manifest"):
             manifest = _write_package(tmp, target_ckpt, draft_ckpt, specs, vocab_size)
     return manifest
 
 
-def _export_model(ckpt: Checkpoint, root: Path, role: str) -> ModelSpec:
+def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str) -> ModelSpec:
     model = load_model(ckpt.path)
-    export_graph(model, root / role)
-    stored_fp16 = store_exact_fp16(root / role)
-    spec = replace(describe_graph(root / role, root, model), weights_stored_fp16=stored_fp16)
+    folder = root / role
+    export_graph(model, folder)
+    stored_fp16 = 0
+    if variant == "fp16":
+        convert_fp16(folder)
+    elif variant in QUANTIZATIONS:
+        quantize_weights(folder, bits=int(variant[3:]))
+    else:
+        stored_fp16 = store_exact_fp16(folder)
+    spec = replace(
+        describe_graph(folder, root, model),
+        weights_stored_fp16=stored_fp16,
+        quantization=variant if variant in QUANTIZATIONS else None,
+    )
     length = min(VALIDATION_LENGTH, ckpt.max_positions)
-    deviations, failures = validate_graph(model, root, spec, length)
+    deviations, failures = validate_graph(model, root, spec, variant, length)
     if failures:
         lines = "\n  ".join(failures)
         raise ExportError(f"the {role} graph failed validation against PyTorch:\n  {lines}")

@@ -16,21 +16,34 @@ from edgespec.manifest import ModelSpec
 from edgespec.runtime.providers import SessionConfig
 from edgespec.runtime.session import ModelSession
 
-FP32_ATOL = 1e-3  # absolute, on logits; fp32 graphs measured here differ by ~1e-5
+# Tolerance on max |ORT logits - PyTorch logits|, as a fraction of the largest |logit| (at
+# least 1): fp32 graphs measured here differ by ~1e-6 of it; the others by what rounding
+# weights or activations costs, measured on the demo pair (see README).
+TOLERANCES = {"fp32": 1e-3, "fp16": 2e-2, "int8": 5e-2, "int4": 2e-1}
+# Cached vs uncached runs of the same graph: the runtime's exactness rests on a token's logits
+# not depending on how many tokens share its run.
+CONSISTENCY = 1e-3
 
 
 def validate_graph(
-    model: PreTrainedModel, root: Path, spec: ModelSpec, length: int = 24, seed: int = 0
+    model: PreTrainedModel,
+    root: Path,
+    spec: ModelSpec,
+    variant: str = "fp32",
+    length: int = 24,
+    seed: int = 0,
 ) -> tuple[dict, list[str]]:
     """Compare logits on a random sequence; returns (measured deviations, failures).
 
-    Three ways through the graph must agree with one uncached PyTorch forward pass:
-    the whole sequence with an empty cache; a prefix, then the rest with the prefix cached;
-    and the last tokens fed one at a time.
+    Three ways through the graph must agree with one uncached PyTorch forward pass, within the
+    variant's tolerance: the whole sequence with an empty cache; a prefix, then the rest with
+    the prefix cached; and the last tokens fed one at a time. The three must also agree with
+    each other within CONSISTENCY, whatever the variant.
     """
     ids = np.random.default_rng(seed).integers(0, spec.vocab_size, size=length)
     with torch.no_grad():
         expected = model(torch.from_numpy(ids)[None]).logits[0].float().numpy()  # [n, V]
+    scale = max(1.0, float(np.abs(expected).max()))
 
     session = ModelSession(root / spec.path, spec, spec.vocab_size, SessionConfig("cpu"))
     split = length // 2
@@ -39,16 +52,31 @@ def validate_graph(
         "prefix_then_rest": _run(session, [ids[:split], ids[split:]]),
         "one_token_steps": _run(session, [ids[:split], *ids[split:, None]]),
     }
-    deviations, failures = {}, []
+    tolerance = TOLERANCES[variant] * scale
+    deviations = {"variant": variant, "tolerance": tolerance, "logit_scale": scale}
+    failures = []
     for name, logits in measured.items():
         diff = float(np.abs(logits - expected).max())
         deviations[f"max_abs_diff_{name}"] = diff
-        if not diff <= FP32_ATOL:
+        if not diff <= tolerance:
             failures.append(
                 f"{spec.path}: {name} logits differ from PyTorch by {diff:.2e} "
-                f"(tolerance {FP32_ATOL:.0e})"
+                f"(tolerance {tolerance:.1e} for {variant})"
             )
-    deviations["atol"] = FP32_ATOL
+    deviations["top1_agreement"] = float(
+        (measured["no_cache"].argmax(-1) == expected.argmax(-1)).mean()
+    )
+    consistency = max(
+        float(np.abs(measured[name] - measured["no_cache"]).max())
+        for name in ("prefix_then_rest", "one_token_steps")
+    )
+    deviations["max_abs_diff_cached_vs_uncached"] = consistency
+    if not consistency <= CONSISTENCY * scale:
+        failures.append(
+            f"{spec.path}: cached and uncached runs of the graph differ by {consistency:.2e} "
+            f"(tolerance {CONSISTENCY * scale:.1e}); speculative output would not match "
+            "target-only output"
+        )
     return deviations, failures
 
 
