@@ -10,16 +10,18 @@ Timing, the same for every runtime (and comparable with ``edgespec bench``):
   the prompt plus the first step (for a speculative run, its first whole round).
 - ``e2e_tokens_per_s`` = new tokens / total seconds, prefill included.
 - ``decode_tokens_per_s`` = (new tokens - 1) / (total seconds - prefill), where prefill is the
-  ``ttft_s`` of the target-only run of the same prompt, temperature and repeat (runs come in such
-  pairs). So the prompt's prefill and the first token are left out alike for target-only and
+  median ``ttft_s`` of the target-only runs of the same prompt (all temperatures and repeats).
+  So the prompt's prefill and the first token are left out alike for target-only and
   speculative runs; a speculative run's draft prefill counts as decoding. This is a per-token
   decode rate, the quantity edgespec bench reports as tokens/s (new tokens / decode seconds).
-- ``speedup_*``: the median over pairs of (speculative rate / target-only rate).
+- ``speedup_*``: the median over pairs of (speculative rate / target-only rate), a pair being
+  the runs of one prompt, temperature and repeat (made one after the other).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -33,8 +35,9 @@ from pathlib import Path
 TIMING_NOTE = (
     "ttft_s: prompt prefill + first token (a speculative run: its first round). "
     "e2e_tokens_per_s = new_tokens / total_s (prefill included). "
-    "decode_tokens_per_s = (new_tokens - 1) / (total_s - prefill_s), prefill_s = ttft_s of the "
-    "paired target-only run (same prompt, temperature, repeat). speedup = median of paired ratios."
+    "decode_tokens_per_s = (new_tokens - 1) / (total_s - prefill_s), prefill_s = median ttft_s of "
+    "the target-only runs of the same prompt. speedup = median over pairs (same prompt, "
+    "temperature, repeat) of speculative rate / target-only rate."
 )
 
 
@@ -133,7 +136,7 @@ class Run:
     new_tokens: int
     total_s: float
     ttft_s: float
-    prefill_s: float     # ttft_s of the paired target-only run
+    prefill_s: float     # median ttft_s of this prompt's target-only runs
     e2e_tokens_per_s: float
     decode_tokens_per_s: float
     speedup_e2e: float | None = None
@@ -171,34 +174,49 @@ def run_pairs(
     generate) variant with the same seed. A run that stops short of max_new_tokens is an error:
     the scripts keep EOS from ending generation so every run makes the same number of tokens.
     """
-    runs: list[Run] = []
+    made: list[tuple] = []  # (mode, gamma, temperature, prompt, repeat, seed, Timing)
     total = len(temperatures) * repeats * len(prompts) * (1 + len(variants))
-    started, done = time.perf_counter(), 0
+    started = time.perf_counter()
     for temperature in temperatures:
         for repeat in range(repeats):
             for i in range(len(prompts)):
                 run_seed = seed + 1000 * repeat + i
-                base_t = baseline(i, temperature, run_seed)
-                _check_count(base_t, max_new_tokens, "target")
-                base = _run("target", None, temperature, i, repeat, run_seed, base_t, base_t.ttft_s)
-                runs.append(base)
-                for mode, gamma, generate in variants:
+                for mode, gamma, generate in [("target", None, baseline), *variants]:
                     t = generate(i, temperature, run_seed)
-                    _check_count(t, max_new_tokens, mode)
-                    run = _run(mode, gamma, temperature, i, repeat, run_seed, t, base.ttft_s)
-                    run.speedup_e2e = run.e2e_tokens_per_s / base.e2e_tokens_per_s
-                    run.speedup_decode = run.decode_tokens_per_s / base.decode_tokens_per_s
-                    runs.append(run)
-                done += 1 + len(variants)
+                    if t.new_tokens != max_new_tokens:
+                        raise RuntimeError(f"{mode}: made {t.new_tokens} new tokens, "
+                                           f"wanted {max_new_tokens}")
+                    made.append((mode, gamma, temperature, i, repeat, run_seed, t))
                 elapsed = time.perf_counter() - started
-                print(f"\r{done}/{total} runs, {elapsed:.0f}s", end="", file=sys.stderr, flush=True)
+                print(f"\r{len(made)}/{total} runs, {elapsed:.0f}s", end="", file=sys.stderr,
+                      flush=True)
     print(file=sys.stderr)
+    return _with_rates(made)
+
+
+def _with_rates(made: list[tuple]) -> list[Run]:
+    """Runs with decode rates (prefill: each prompt's median target-only ttft) and speedups."""
+    ttfts: dict[int, list[float]] = {}
+    for mode, _, _, prompt, _, _, t in made:
+        if mode == "target":
+            ttfts.setdefault(prompt, []).append(t.ttft_s)
+    prefill = {prompt: statistics.median(values) for prompt, values in ttfts.items()}
+    runs = [_run(*m[:6], m[6], prefill[m[3]]) for m in made]
+    base = {(r.temperature, r.repeat, r.prompt): r for r in runs if r.mode == "target"}
+    for run in runs:
+        if run.mode != "target":
+            b = base[(run.temperature, run.repeat, run.prompt)]
+            run.speedup_e2e = run.e2e_tokens_per_s / b.e2e_tokens_per_s
+            run.speedup_decode = run.decode_tokens_per_s / b.decode_tokens_per_s
     return runs
 
 
-def _check_count(t: Timing, wanted: int, mode: str) -> None:
-    if t.new_tokens != wanted:
-        raise RuntimeError(f"{mode}: made {t.new_tokens} new tokens, wanted {wanted}")
+def check_context(prompt_lengths: list[int], max_new_tokens: int, context: int | None) -> None:
+    """Exit if a prompt plus the new tokens would not fit the model's context window."""
+    longest = max(prompt_lengths)
+    if context and longest + max_new_tokens > context:
+        sys.exit(f"error: the longest prompt has {longest} tokens; with {max_new_tokens} new "
+                 f"tokens that passes the context window of {context}")
 
 
 def warm_up(generates: Iterable[Generate]) -> None:
@@ -217,25 +235,33 @@ def summarise(runs: list[Run]) -> list[dict]:
         groups.setdefault((run.temperature, run.mode, str(run.gamma)), []).append(run)
     rows = []
     for (temperature, mode, _), group in groups.items():
-        median = statistics.median
         row = {
             "temperature": temperature,
             "mode": mode,
             "gamma": group[0].gamma,
             "runs": len(group),
-            "new_tokens": median(r.new_tokens for r in group),
-            "ttft_ms": 1e3 * median(r.ttft_s for r in group),
-            "e2e_tokens_per_s": median(r.e2e_tokens_per_s for r in group),
-            "decode_tokens_per_s": median(r.decode_tokens_per_s for r in group),
+            "new_tokens": _median(r.new_tokens for r in group),
+            "ttft_ms": 1e3 * _median(r.ttft_s for r in group),
+            "e2e_tokens_per_s": _median(r.e2e_tokens_per_s for r in group),
+            "decode_tokens_per_s": _median(r.decode_tokens_per_s for r in group),
             "speedup_e2e": None,
             "speedup_decode": None,
         }
         if mode != "target":
-            row["speedup_e2e"] = median(r.speedup_e2e for r in group)
-            row["speedup_decode"] = median(r.speedup_decode for r in group)
+            row["speedup_e2e"] = _median(r.speedup_e2e for r in group)
+            row["speedup_decode"] = _median(r.speedup_decode for r in group)
+        unmeasured = sum(math.isnan(r.decode_tokens_per_s) for r in group)
+        if unmeasured:  # a run that took less than the prompt's median prefill: no decode rate
+            row["runs_without_decode_rate"] = unmeasured
         row.update(_pooled_extra(group))
         rows.append(row)
     return rows
+
+
+def _median(values: Iterable[float]) -> float:
+    """The median of the values that are numbers (NaN marks a run without a decode rate)."""
+    kept = [v for v in values if not math.isnan(v)]
+    return statistics.median(kept) if kept else float("nan")
 
 
 def _pooled_extra(group: list[Run]) -> dict:
@@ -268,6 +294,14 @@ def format_table(title: str, rows: list[dict]) -> str:
 
 
 # --- provenance ----------------------------------------------------------------------------------
+
+
+def source_stamp(folder: Path) -> dict:
+    """What identifies a checkpoint for a cache of its exports: path, file sizes and times."""
+    files = sorted(p for p in Path(folder).iterdir() if p.is_file())
+    return {"source": str(folder),
+            "files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}}
+
 
 
 def machine_info() -> dict:

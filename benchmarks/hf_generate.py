@@ -12,10 +12,15 @@ from __future__ import annotations
 import time
 
 import torch
+import transformers
 from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from common import Timing
+
+# Assisted generation warns on every call that the assistant's generate() merged its own
+# defaults and that suppress_tokens built a processor twice; both are expected here.
+transformers.logging.set_verbosity_error()
 
 
 class FirstTokenClock(BaseStreamer):

@@ -87,6 +87,8 @@ def main() -> None:
     target = load(args.target)
     draft = load(args.draft) if args.draft else None
     ids = [tokenizer(p, return_tensors="pt").input_ids for p in prompts]
+    common.check_context([x.shape[-1] for x in ids], args.max_new_tokens,
+                         getattr(target.config, "max_position_embeddings", None))
     target_counter = CallCounter(target)
     draft_counter = CallCounter(draft) if draft is not None else None
 

@@ -46,12 +46,15 @@ def main() -> None:
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Package folder to create.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
+@click.option("--graph", type=click.Choice(["auto", "optimum", "fused"]), default="auto",
+              show_default=True,
+              help="fused: edgespec's Llama-family graph with fused operators; optimum: any model.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
               help="fp16 computes in half precision (for GPUs).")
 @click.option("--quantize", type=click.Choice(["int8", "int4"]),
               help="Block-wise weight-only quantization of the MatMul weights.")
 @_user_errors
-def export(target: Path, draft: Path, out: Path, overwrite: bool, dtype: str,
+def export(target: Path, draft: Path, out: Path, overwrite: bool, graph: str, dtype: str,
            quantize: str | None) -> None:
     """Export a target/draft pair to one ONNX package (needs edgespec[export])."""
     try:
@@ -60,7 +63,7 @@ def export(target: Path, draft: Path, out: Path, overwrite: bool, dtype: str,
         raise click.ClickException(
             f"export needs the export extra ({e.name} is missing): pip install 'edgespec[export]'"
         ) from None
-    manifest = export_pair(target, draft, out, overwrite, dtype, quantize,
+    manifest = export_pair(target, draft, out, overwrite, dtype, quantize, graph,
                            progress=lambda line: click.echo(line, err=True))
     click.echo(
         f"wrote {out}: target {manifest.target.parameters / 1e6:.1f}M and draft "

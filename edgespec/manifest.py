@@ -29,6 +29,7 @@ class ModelSpec:
     vocab_size: int  # rows of the graph's logits, before restriction to the shared vocabulary
     kv_inputs: list[str]
     kv_outputs: list[str]
+    graph: str = "optimum"  # "optimum" (optimum's exporter) or "fused" (export/fused.py)
     dtype: str = "float32"  # what the graph computes in
     weights_stored_fp16: int = 0  # weights stored as exact float16 values, cast back on load
     quantization: str | None = None  # "int8" / "int4": block-wise weight-only MatMulNBits

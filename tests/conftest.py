@@ -134,13 +134,14 @@ def packages(checkpoints, tmp_path_factory) -> dict[str, Path]:
     from edgespec.export import export_pair
 
     root = tmp_path_factory.mktemp("packages")
-    pairs = {
-        "llama": ("llama_target", "llama_draft"),
-        "gpt2": ("gpt2_target", "gpt2_draft"),
-        "llama_self": ("llama_target", "llama_target"),
-        "llama_noisy": ("llama_target", "llama_noisy"),
-        "words": ("words_target", "words_draft"),
+    pairs = {  # Llama pairs get edgespec's fused graph by default, GPT-2 optimum's
+        "llama": ("llama_target", "llama_draft", "auto"),
+        "gpt2": ("gpt2_target", "gpt2_draft", "auto"),
+        "llama_self": ("llama_target", "llama_target", "auto"),
+        "llama_noisy": ("llama_target", "llama_noisy", "auto"),
+        "llama_noisy_optimum": ("llama_target", "llama_noisy", "optimum"),
+        "words": ("words_target", "words_draft", "auto"),
     }
-    for name, (target, draft) in pairs.items():
-        export_pair(checkpoints[target], checkpoints[draft], root / name)
+    for name, (target, draft, graph) in pairs.items():
+        export_pair(checkpoints[target], checkpoints[draft], root / name, graph=graph)
     return {name: root / name for name in pairs}

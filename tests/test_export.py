@@ -136,7 +136,7 @@ def test_fp16_weights_are_stored_at_half_size_and_compute_the_same(tmp_path):
     _save(model.to(torch.float16), bpe, tmp_path / "fp16")
     full = export_pair(tmp_path / "fp32", tmp_path / "fp32", tmp_path / "pkg32")
     half = export_pair(tmp_path / "fp16", tmp_path / "fp16", tmp_path / "pkg16")
-    assert full.target.weights_stored_fp16 == 0 and half.target.weights_stored_fp16 > 10
+    assert full.target.weights_stored_fp16 == 0 and half.target.weights_stored_fp16 >= 8
     size = {p: (tmp_path / p / "target" / "model.onnx").stat().st_size for p in ("pkg32", "pkg16")}
     assert size["pkg16"] < 0.6 * size["pkg32"]
     ids = np.arange(1, 30)

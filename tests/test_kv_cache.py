@@ -49,7 +49,11 @@ def test_replace_checks_the_presents_grew_by_the_fed_tokens():
         cache.replace([np.zeros((1, 2, 5, 4), np.float32)] * 2, added=1)
 
 
-@pytest.mark.parametrize("pair", ["llama", "gpt2"])
+# "llama" has edgespec's fused graph (in-place cache), the others optimum's (copied cache)
+GRAPHS = ["llama", "gpt2", "llama_noisy_optimum"]
+
+
+@pytest.mark.parametrize("pair", GRAPHS)
 def test_cached_logits_equal_uncached(packages, pair):
     session = edgespec.load(packages[pair]).target
     ids = np.random.default_rng(0).integers(0, session.vocab_size, size=20)
@@ -61,9 +65,10 @@ def test_cached_logits_equal_uncached(packages, pair):
     assert cache.length == 20
 
 
-def test_logits_after_a_crop_equal_a_fresh_run(packages):
+@pytest.mark.parametrize("pair", GRAPHS)
+def test_logits_after_a_crop_equal_a_fresh_run(packages, pair):
     """Rollback: run a wrong continuation, crop it away, run the right one."""
-    session = edgespec.load(packages["llama"]).target
+    session = edgespec.load(packages[pair]).target
     rng = np.random.default_rng(1)
     prefix, wrong, right = (rng.integers(0, session.vocab_size, size=n) for n in (9, 4, 5))
 
@@ -75,3 +80,17 @@ def test_logits_after_a_crop_equal_a_fresh_run(packages):
 
     fresh = session.forward(np.concatenate([prefix, right]), session.new_cache())[-5:]
     np.testing.assert_allclose(after_crop, fresh, atol=1e-4)
+
+
+def test_the_in_place_cache_rolls_back_by_length_and_refuses_past_it(packages):
+    session = edgespec.load(packages["llama"]).target
+    cache = session.new_cache()
+    assert session.in_place and cache.capacity == 128
+    session.forward(np.arange(1, 11), cache)
+    buffers = [id(b) for b in cache.buffers]
+    cache.crop(4)
+    assert cache.length == 4 and [id(b) for b in cache.buffers] == buffers  # nothing copied
+    with pytest.raises(ValueError, match="cannot crop a KV cache of length 4 to 5"):
+        cache.crop(5)
+    with pytest.raises(ValueError, match="KV cache full"):
+        session.forward(np.ones(125, dtype=np.int64), cache)

@@ -27,7 +27,7 @@ def pipes(packages):
     return {name: edgespec.load(path) for name, path in packages.items()}
 
 
-@pytest.mark.parametrize("pair", ["llama", "gpt2", "llama_noisy"])
+@pytest.mark.parametrize("pair", ["llama", "gpt2", "llama_noisy", "llama_noisy_optimum"])
 def test_greedy_speculative_equals_target_only(pipes, pair):
     pipe = pipes[pair]
     for prompt in PROMPTS:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import edgespec
 from edgespec.errors import ExportError
+from edgespec.export.fused import build_fused_graph, can_fuse
 from edgespec.export.graph import describe_graph, export_graph, load_model
 from edgespec.export.precision import (
     DTYPES,
@@ -29,6 +30,7 @@ from edgespec.export.validate import validate_graph
 from edgespec.manifest import Manifest, ModelSpec
 
 Progress = Callable[[str], None]
+GRAPHS = ("auto", "optimum", "fused")
 VALIDATION_LENGTH = 24  # tokens compared against PyTorch
 
 
@@ -39,6 +41,7 @@ def export_pair(
     overwrite: bool = False,
     dtype: str = "fp32",
     quantize: str | None = None,
+    graph: str = "auto",
     progress: Progress | None = None,
 ) -> Manifest:
     """Export a target/draft pair of Hugging Face causal LMs into the package folder ``out``.
@@ -46,6 +49,9 @@ def export_pair(
     dtype: "fp32" (CPU; weights that are exact fp16 values are stored as fp16, losslessly) or
         "fp16" (compute in fp16, for GPUs).
     quantize: None, "int8" or "int4": block-wise weight-only quantization of the MatMuls.
+    graph: "optimum" (optimum's exporter, any causal LM it supports), "fused" (edgespec's
+        builder for Llama-family models: fused onnxruntime operators, in-place KV cache) or
+        "auto" (fused where the model allows it, else optimum).
     progress: receives one line as each step starts and ends.
     """
     out = Path(out)
@@ -55,6 +61,8 @@ def export_pair(
         raise ExportError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
     if quantize and dtype != "fp32":
         raise ExportError("--quantize works on fp32 graphs; drop --dtype fp16 or --quantize")
+    if graph not in GRAPHS:
+        raise ExportError(f"--graph must be one of {', '.join(GRAPHS)}, got {graph!r}")
     variant = quantize or dtype
     report = _Steps(progress or (lambda line: None), total=4)
     if out.exists() and not overwrite and any(out.iterdir()):
@@ -70,16 +78,23 @@ def export_pair(
         specs = {}
         for role, ckpt in (("target", target_ckpt), ("draft", draft_ckpt)):
             with report.step(f"exporting and validating the {role} ({ckpt.path})"):
-                specs[role] = _export_model(ckpt, tmp, role, variant)
+                specs[role] = _export_model(ckpt, tmp, role, variant, graph)
         with report.step("writing tokenizer and manifest"):
             manifest = _write_package(tmp, target_ckpt, draft_ckpt, specs, vocab_size)
     return manifest
 
 
-def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str) -> ModelSpec:
+def _export_model(
+    ckpt: Checkpoint, root: Path, role: str, variant: str, graph: str
+) -> ModelSpec:
     model = load_model(ckpt.path)
     folder = root / role
-    export_graph(model, folder)
+    if graph == "auto":
+        graph = "optimum" if can_fuse(model) else "fused"
+    if graph == "fused":
+        build_fused_graph(model, folder)
+    else:
+        export_graph(model, folder)
     stored_fp16 = 0
     if variant == "fp16":
         convert_fp16(folder)
@@ -89,6 +104,7 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str) -> Mode
         stored_fp16 = store_exact_fp16(folder)
     spec = replace(
         describe_graph(folder, root, model),
+        graph=graph,
         weights_stored_fp16=stored_fp16,
         quantization=variant if variant in QUANTIZATIONS else None,
     )

@@ -46,3 +46,43 @@ class KVCache:
             raise ValueError(f"cannot crop a KV cache of length {self.length} to {length}")
         if length < self.length:
             self._arrays = [a[:, :, :length] for a in self._arrays]
+
+
+class InPlaceKVCache:
+    """Preallocated per-layer buffers ``[1, kv_heads, max_positions, head_dim]``, updated in place.
+
+    For graphs whose attention writes new keys and values into the buffer it reads the past
+    from (GroupQueryAttention, in fused graphs): the session binds each buffer as both past
+    input and present output, so a run copies nothing, and a rollback only changes ``length``:
+    positions past it are ignored by attention and overwritten by the next run. On a GPU the
+    buffers live in device memory and never travel to the host.
+    """
+
+    def __init__(self, names: list[str], kv_heads: int, head_dim: int, max_positions: int,
+                 dtype: np.dtype, device: str):
+        from onnxruntime import OrtValue
+
+        self.names = names
+        self.capacity = max_positions
+        shape = [1, kv_heads, max_positions, head_dim]
+        self.buffers = [OrtValue.ortvalue_from_shape_and_type(shape, dtype, device) for _ in names]
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def check_room(self, added: int) -> None:
+        """Refuse a run that would write past the end of the buffers."""
+        if self._length + added > self.capacity:
+            raise ValueError(f"KV cache full: {self._length} + {added} > {self.capacity} positions")
+
+    def advance(self, added: int) -> None:
+        """Record that a run wrote ``added`` more positions into the buffers."""
+        self._length += added
+
+    def crop(self, length: int) -> None:
+        """Forget every position from ``length`` on (see KVCache.crop)."""
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot crop a KV cache of length {self._length} to {length}")
+        self._length = length

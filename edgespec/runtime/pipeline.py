@@ -73,11 +73,10 @@ class Pipeline:
         self.manifest = Manifest.read(self.path)
         default_target, default_draft = default_session_configs(provider, draft_provider)
         m = self.manifest
-        self.target = ModelSession(
-            self.path / m.target.path, m.target, m.vocab_size, target or default_target
-        )
-        self.draft = ModelSession(
-            self.path / m.draft.path, m.draft, m.vocab_size, draft or default_draft
+        self.target, self.draft = (
+            ModelSession(self.path / spec.path, spec, m.vocab_size, config, m.max_positions)
+            for spec, config in ((m.target, target or default_target),
+                                 (m.draft, draft or default_draft))
         )
         for warning in {self.target.warning, self.draft.warning} - {None}:
             warnings.warn(warning, stacklevel=2)

@@ -9,7 +9,7 @@ import onnxruntime as ort
 
 from edgespec.errors import ManifestError
 from edgespec.manifest import ModelSpec
-from edgespec.runtime.kv_cache import KVCache
+from edgespec.runtime.kv_cache import InPlaceKVCache, KVCache
 from edgespec.runtime.providers import SessionConfig, fallback_warning, provider_chain
 
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -22,7 +22,14 @@ class ModelSession:
     against the manifest, so any layer count or architecture optimum exports works.
     """
 
-    def __init__(self, path: Path, spec: ModelSpec, vocab_size: int, config: SessionConfig):
+    def __init__(
+        self,
+        path: Path,
+        spec: ModelSpec,
+        vocab_size: int,
+        config: SessionConfig,
+        max_positions: int | None = None,
+    ):
         chain, warning = provider_chain(config)
         options = ort.SessionOptions()
         options.intra_op_num_threads = config.threads
@@ -36,6 +43,10 @@ class ModelSession:
         self.warning = warning or fallback_warning(chain, self.providers)
         self.vocab_size = vocab_size
         self._read_graph(spec)
+        # fused graphs update a preallocated cache in place; optimum's concatenate a new one
+        self.in_place = spec.graph == "fused" and max_positions is not None
+        self.max_positions = max_positions
+        self.device = "cuda" if self.providers[0] != "CPUExecutionProvider" else "cpu"
 
     def _read_graph(self, spec: ModelSpec) -> None:
         inputs = {i.name: i for i in self.session.get_inputs()}
@@ -51,22 +62,41 @@ class ModelSession:
         self.has_attention_mask = "attention_mask" in inputs
         self.output_names = ["logits", *self.kv_outputs]
 
-    def new_cache(self) -> KVCache:
+    def new_cache(self) -> KVCache | InPlaceKVCache:
+        if self.in_place:
+            return InPlaceKVCache(self.kv_inputs, self.kv_heads, self.head_dim,
+                                  self.max_positions, self.kv_dtype, self.device)
         return KVCache(self.kv_inputs, self.kv_heads, self.head_dim, self.kv_dtype)
 
-    def forward(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, cache: KVCache | InPlaceKVCache) -> np.ndarray:
         """Run ``tokens [n]`` after what the cache covers; returns logits ``[n, vocab]``.
 
         position_ids and attention_mask are derived from the cache length; the cache then
         covers the fed tokens too.
         """
         start, n = cache.length, len(tokens)
-        feeds = cache.feeds()
-        feeds["input_ids"] = np.asarray(tokens, dtype=np.int64)[None, :]
+        feeds = {"input_ids": np.asarray(tokens, dtype=np.int64)[None, :]}
         if self.has_attention_mask:
             feeds["attention_mask"] = np.ones((1, start + n), dtype=np.int64)
         if self.has_position_ids:
             feeds["position_ids"] = np.arange(start, start + n, dtype=np.int64)[None, :]
-        logits, *presents = self.session.run(self.output_names, feeds)
-        cache.replace(presents, added=n)
+        if self.in_place:
+            cache.check_room(n)
+            logits = self._run_in_place(feeds, cache)
+            cache.advance(n)
+        else:
+            logits, *presents = self.session.run(self.output_names, {**feeds, **cache.feeds()})
+            cache.replace(presents, added=n)
         return logits[0, :, : self.vocab_size]  # [n, V]; padded rows dropped
+
+    def _run_in_place(self, feeds: dict[str, np.ndarray], cache: InPlaceKVCache) -> np.ndarray:
+        """One run with each KV buffer bound as both past input and present output."""
+        binding = self.session.io_binding()
+        binding.bind_output("logits", "cpu")  # first bound output: get_outputs()[0]
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, array)
+        for past, present, buffer in zip(self.kv_inputs, self.kv_outputs, cache.buffers):
+            binding.bind_ortvalue_input(past, buffer)
+            binding.bind_ortvalue_output(present, buffer)
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()
