@@ -101,4 +101,6 @@ if wants genai015; then
     --builder-python "$GENAI_BUILD/bin/python" --json "$OUT/genai-0.15.2.json"
 fi
 
+echo "== side by side (decode tokens/s; speedups against each runtime's own target-only)" >&2
+"$PYTHON" benchmarks/compare.py "$OUT"/*.json
 echo "results in $OUT" >&2

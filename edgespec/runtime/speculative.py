@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
 from edgespec.config import GenerationConfig, SamplingConfig
-from edgespec.runtime.kv_cache import KVCache
+from edgespec.runtime.kv_cache import InPlaceKVCache, KVCache
 from edgespec.runtime.sampling import process_logits, sample, verify
 from edgespec.runtime.schedule import Schedule
 from edgespec.runtime.session import ModelSession
@@ -25,7 +26,7 @@ class Decoder:
     """A session and its cache: one model's state during one generation."""
 
     session: ModelSession
-    cache: KVCache
+    cache: KVCache | InPlaceKVCache
 
     @classmethod
     def start(cls, session: ModelSession) -> "Decoder":
@@ -36,22 +37,12 @@ class Decoder:
         return self.session.forward(np.array([*committed[self.cache.length :], *extra]), self.cache)
 
 
-class _Clock:
-    """Adds the time spent inside ``with clock("field"):`` to that field of the stats."""
-
-    def __init__(self, stats: GenerationStats):
-        self.stats = stats
-
-    def __call__(self, field: str) -> "_Clock":
-        self.field = field
-        return self
-
-    def __enter__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        elapsed = time.perf_counter() - self.t0
-        setattr(self.stats, self.field, getattr(self.stats, self.field) + elapsed)
+@contextmanager
+def _timed(stats: GenerationStats, field: str) -> Iterator[None]:
+    """Add the time spent in the block to ``stats.<field>``."""
+    start = time.perf_counter()
+    yield
+    setattr(stats, field, getattr(stats, field) + time.perf_counter() - start)
 
 
 def speculative_round(
@@ -68,26 +59,25 @@ def speculative_round(
     Returns the 1..k+1 tokens to commit; both caches end covering a prefix of the new
     ``committed[:-1]``.
     """
-    clock = _Clock(stats)
     # 1. draft proposes k tokens, one run each          q_draft: [k, V]
     draft_tokens, q_rows = [], []
     for _ in range(k):
-        with clock("draft_s"):
+        with _timed(stats, "draft_s"):
             logits = draft.run(committed, draft_tokens[-1:])[-1:]  # [1, V]
-        with clock("sampling_s"):
+        with _timed(stats, "sampling_s"):
             q = process_logits(logits, sampling)[0]
             draft_tokens.append(sample(q, rng))
             q_rows.append(q)
     stats.draft_calls += k
 
     # 2. target scores the last committed token and the k drafts in one run   p_target: [k+1, V]
-    with clock("target_s"):
+    with _timed(stats, "target_s"):
         logits = target.run(committed, draft_tokens)[-(k + 1) :]
     stats.target_calls += 1
 
     # 3. accept draft i with probability min(1, p/q); the first rejection resamples from
     #    norm(max(0, p - q)); all k accepted: a bonus token from p_target[k]
-    with clock("sampling_s"):
+    with _timed(stats, "sampling_s"):
         p_target = process_logits(logits, sampling)
         n_accepted, next_token = verify(np.array(draft_tokens), np.stack(q_rows), p_target, rng)
     stats.record_round(k, n_accepted)
@@ -109,11 +99,10 @@ def target_step(
     stats: GenerationStats,
 ) -> list[int]:
     """Plain decoding: one target run, one token sampled from p."""
-    clock = _Clock(stats)
-    with clock("target_s"):
+    with _timed(stats, "target_s"):
         logits = target.run(committed)[-1:]  # [1, V]
     stats.target_calls += 1
-    with clock("sampling_s"):
+    with _timed(stats, "sampling_s"):
         token = sample(process_logits(logits, sampling)[0], rng)
     return [token]
 
@@ -135,7 +124,6 @@ def decode(
     ends the generation. ``stats.finish_reason`` says why it stopped.
     """
     rng = np.random.default_rng(config.seed)
-    clock = _Clock(stats)
     speculative = draft is not None and config.use_draft
     started = time.perf_counter()
     committed = list(prompt)
@@ -143,7 +131,7 @@ def decode(
 
     # Prefill: every prompt token but the last, so the invariant holds from the first round.
     decoders = [Decoder.start(s) for s in ([target, draft] if speculative else [target])]
-    with clock("prefill_s"):
+    with _timed(stats, "prefill_s"):
         for decoder in decoders:
             if len(prompt) > 1:
                 decoder.run(committed[:-1])

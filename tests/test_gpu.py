@@ -1,0 +1,42 @@
+"""The GPU path: runs only where onnxruntime-gpu finds a CUDA device; skipped elsewhere."""
+
+from __future__ import annotations
+
+import onnxruntime as ort
+import pytest
+
+import edgespec
+
+pytestmark = pytest.mark.skipif(
+    "CUDAExecutionProvider" not in ort.get_available_providers(),
+    reason="needs onnxruntime-gpu and a CUDA device",
+)
+
+
+@pytest.fixture(scope="module")
+def cuda_pipe(packages):
+    pipe = edgespec.load(packages["llama_noisy"], provider="cuda")
+    if pipe.target.providers[0] != "CUDAExecutionProvider":
+        pytest.skip("the CUDA provider is listed but could not start")
+    return pipe
+
+
+def test_cuda_greedy_equals_cpu_target_only(cuda_pipe, packages):
+    cpu = edgespec.load(packages["llama_noisy"], provider="cpu")
+    for prompt in ("def add(a, b):", "The quick brown"):
+        on_gpu = cuda_pipe.generate(prompt, max_new_tokens=32, gamma=4)
+        assert on_gpu.token_ids == cuda_pipe.generate(prompt, max_new_tokens=32, use_draft=False).token_ids
+        assert on_gpu.token_ids == cpu.generate(prompt, max_new_tokens=32, use_draft=False).token_ids
+
+
+def test_the_in_place_cache_stays_on_the_device(cuda_pipe):
+    cache = cuda_pipe.target.new_cache()
+    assert cuda_pipe.target.in_place
+    assert all(buffer.device_name() == "cuda" for buffer in cache.buffers)
+
+
+def test_draft_on_cpu_next_to_a_gpu_target(packages):
+    pipe = edgespec.load(packages["llama_noisy"], provider="cuda", draft_provider="cpu")
+    assert pipe.draft.providers == ["CPUExecutionProvider"]
+    result = pipe.generate("def add(a, b):", max_new_tokens=16, gamma=3)
+    assert result.token_ids == pipe.generate("def add(a, b):", max_new_tokens=16, use_draft=False).token_ids
