@@ -85,7 +85,8 @@ def add_common_args(parser, gamma_default: str = "1,2,4") -> None:
                         help="comma list of draft tokens per round for the speculative runs")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="intra-op threads (default: every core, os.cpu_count())")
-    parser.add_argument("--seed", type=int, default=0, help="run seed = seed + 1000*repeat + prompt")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="run seed = seed + 1000*repeat + prompt")
     parser.add_argument("--limit-prompts", type=int, default=0,
                         help="use only the first N prompts (0: all)")
     parser.add_argument("--json", help="write the results here")
@@ -277,7 +278,7 @@ def _pooled_extra(group: list[Run]) -> dict:
 def format_table(title: str, rows: list[dict]) -> str:
     lines = [
         title,
-        f"{'temp':>4} {'mode':<10} {'gamma':>5} {'runs':>4} {'new':>4} {'TTFT ms':>8} "
+        f"{'temp':>4} {'mode':<11} {'gamma':>5} {'runs':>4} {'new':>4} {'TTFT ms':>8} "
         f"{'decode tok/s':>12} {'e2e tok/s':>9} {'x decode':>8} {'x e2e':>6} {'accept':>6}",
     ]
     for r in rows:
@@ -286,7 +287,7 @@ def format_table(title: str, rows: list[dict]) -> str:
         accept = f"{r['acceptance_rate']:.0%}" if "acceptance_rate" in r else ""
         gamma = "" if r["gamma"] is None else str(r["gamma"])
         lines.append(
-            f"{r['temperature']:>4g} {r['mode']:<10} {gamma:>5} {r['runs']:>4} "
+            f"{r['temperature']:>4g} {r['mode']:<11} {gamma:>5} {r['runs']:>4} "
             f"{r['new_tokens']:>4g} {r['ttft_ms']:>8.1f} {r['decode_tokens_per_s']:>12.1f} "
             f"{r['e2e_tokens_per_s']:>9.1f} {speed:>8} {speed_e2e:>6} {accept:>6}"
         )
@@ -336,6 +337,17 @@ def versions(names: Iterable[str]) -> dict:
     return found
 
 
+def _no_nan(value):
+    """NaN (a run without a decode rate) as null, so the file is strict JSON."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_no_nan(v) for v in value]
+    return value
+
+
 def write_results(path: str | None, runtime: str, args, settings: dict, package_names: list[str],
                   runs: list[Run], rows: list[dict], notes: list[str]) -> None:
     if not path:
@@ -354,5 +366,5 @@ def write_results(path: str | None, runtime: str, args, settings: dict, package_
         "runs": [asdict(r) for r in runs],
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+    Path(path).write_text(json.dumps(_no_nan(payload), indent=2) + "\n")
     print(f"wrote {path}", file=sys.stderr)

@@ -133,9 +133,9 @@ def timed_generate(model: og.Model, ids: np.ndarray, max_new_tokens: int, temper
     extra = {}
     if speculative:
         stats = dict(generator.get_speculative_stats())
-        keep = ("rounds", "draft_tokens_proposed", "draft_tokens_evaluated", "draft_tokens_accepted",
-                "correction_tokens", "bonus_tokens", "draft_forward_passes",
-                "target_forward_passes", "acceptance_rate")
+        keep = ("rounds", "draft_tokens_proposed", "draft_tokens_evaluated",
+                "draft_tokens_accepted", "correction_tokens", "bonus_tokens",
+                "draft_forward_passes", "target_forward_passes", "acceptance_rate")
         extra = {k: stats[k] for k in keep if k in stats}
     return common.Timing(prompt_tokens=int(ids.shape[-1]),
                          new_tokens=generator.token_count() - first_length,
@@ -183,7 +183,7 @@ def main() -> None:
     builds["target"] = build(target_dir, work / "target", args.builder_python, args.precision,
                              args.rebuild) or "cached"
     speculative = bool(args.draft) and HAS_SPECULATIVE and bool(gammas)
-    if args.draft and not HAS_SPECULATIVE:
+    if (args.draft or args.ngram_size) and not HAS_SPECULATIVE:
         notes.append(f"onnxruntime-genai {og.__version__} has no speculative decoding in its "
                      "Python API (GeneratorParams.set_speculative_options): target-only runs")
     if speculative:

@@ -121,7 +121,7 @@ def main() -> None:
         "n_prompts": len(prompts),
         "temperatures": temperatures,
         "onnx_dir": str(onnx_dir),
-        "onnx_source": str(Path(args.onnx).resolve()) if args.onnx else "optimum export of --target",
+        "onnx_source": str(Path(args.onnx).resolve()) if args.onnx else "optimum export",
         "onnx_bytes": sum(p.stat().st_size for p in onnx_dir.glob("model.onnx*")),
         "providers": model.providers if hasattr(model, "providers") else None,
         "intra_op_num_threads": args.threads,

@@ -91,18 +91,18 @@ def main() -> None:
                          getattr(target.config, "max_position_embeddings", None))
     target_counter = CallCounter(target)
     draft_counter = CallCounter(draft) if draft is not None else None
+    assistant_keys = ("num_assistant_tokens", "num_assistant_tokens_schedule",
+                      "assistant_confidence_threshold")
+    defaults = {k: getattr(draft.generation_config, k) for k in assistant_keys} if draft else {}
 
     def calls() -> tuple[int, int]:
         return target_counter.calls, draft_counter.calls if draft_counter else 0
-    if draft is not None:
-        defaults = draft.generation_config.to_dict()
 
     def configure_draft(gamma: int | str) -> None:
         g = draft.generation_config
         if gamma == "hf":
-            g.num_assistant_tokens = defaults["num_assistant_tokens"]
-            g.num_assistant_tokens_schedule = defaults["num_assistant_tokens_schedule"]
-            g.assistant_confidence_threshold = defaults["assistant_confidence_threshold"]
+            for key, value in defaults.items():
+                setattr(g, key, value)
         else:
             g.num_assistant_tokens = gamma
             g.num_assistant_tokens_schedule = "constant"
@@ -142,9 +142,8 @@ def main() -> None:
         "target_params": sum(p.numel() for p in target.parameters()),
         "draft_params": sum(p.numel() for p in draft.parameters()) if draft else None,
     }
-    notes = ["assisted gamma 'hf' = transformers' own assistant defaults "
-             f"({ {k: defaults[k] for k in ('num_assistant_tokens', 'num_assistant_tokens_schedule', 'assistant_confidence_threshold')} })"
-             if draft is not None else "no draft: target-only"]
+    notes = [f"assisted gamma 'hf' = the draft's own assistant settings {defaults}"
+             if draft is not None else "no draft: target-only runs"]
     common.write_results(args.json, "transformers", args, settings, PACKAGES, runs, rows, notes)
 
 

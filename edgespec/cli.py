@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import sys
 import warnings
@@ -32,6 +33,17 @@ def _one_line_warning(message, category, *args, **kwargs) -> None:
     click.echo(f"warning: {message}", err=True)
 
 
+def _needs_export_extra(module: str):
+    """Import a module that needs torch/transformers/optimum, or say how to install them."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise click.ClickException(
+            f"this command needs the export extra ({e.name} is missing): "
+            "pip install 'edgespec[export]'"
+        ) from None
+
+
 @click.group()
 @click.version_option(package_name="edgespec")
 def main() -> None:
@@ -57,14 +69,9 @@ def main() -> None:
 def export(target: Path, draft: Path, out: Path, overwrite: bool, graph: str, dtype: str,
            quantize: str | None) -> None:
     """Export a target/draft pair to one ONNX package (needs edgespec[export])."""
-    try:
-        from edgespec.export import export_pair
-    except ImportError as e:
-        raise click.ClickException(
-            f"export needs the export extra ({e.name} is missing): pip install 'edgespec[export]'"
-        ) from None
-    manifest = export_pair(target, draft, out, overwrite, dtype, quantize, graph,
-                           progress=lambda line: click.echo(line, err=True))
+    exporter = _needs_export_extra("edgespec.export")
+    manifest = exporter.export_pair(target, draft, out, overwrite, dtype, quantize, graph,
+                                    progress=lambda line: click.echo(line, err=True))
     click.echo(
         f"wrote {out}: target {manifest.target.parameters / 1e6:.1f}M and draft "
         f"{manifest.draft.parameters / 1e6:.1f}M parameters, vocabulary {manifest.vocab_size}, "
@@ -214,12 +221,7 @@ def build_demo(out: Path, target_minutes: float, draft_minutes: float, seed: int
     """Train the demo pair on this Python's standard library and export it (needs the export extra)."""
     if out.exists():
         raise click.ClickException(f"{out} already exists; choose another --out")
-    try:
-        from edgespec.models import recipe
-    except ImportError as e:
-        raise click.ClickException(
-            f"build-demo needs the export extra ({e.name} is missing): pip install 'edgespec[export]'"
-        ) from None
+    recipe = _needs_export_extra("edgespec.models.recipe")
     config = recipe.RecipeConfig(seed=seed, target_minutes=target_minutes, draft_minutes=draft_minutes)
     report = recipe.build_demo_package(out, config, progress=lambda line: click.echo(line, err=True))
     click.echo(
