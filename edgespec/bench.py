@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec.config import GenerationConfig, SamplingConfig
+from edgespec.config import SCHEDULES, GenerationConfig, SamplingConfig
 from edgespec.errors import EdgespecError
 from edgespec.manifest import PROMPTS_NAME
 from edgespec.runtime.pipeline import Pipeline
@@ -32,14 +32,24 @@ class BenchConfig:
     max_new_tokens: int = 128
     repeats: int = 3
     seed: int = 0
+    schedules: tuple[str, ...] = ("fixed",)  # others run once, with the largest gamma as kmax
 
     def __post_init__(self) -> None:
+        unknown = set(self.schedules) - set(SCHEDULES)
+        if unknown or not self.schedules:
+            raise ValueError(f"schedules must be among {', '.join(SCHEDULES)}, got {self.schedules}")
         if not self.gammas or min(self.gammas) < 1:
             raise ValueError(f"gammas must be >= 1, got {self.gammas}")
         if not self.temperatures or min(self.temperatures) < 0:
             raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+
+    @property
+    def variants(self) -> list[tuple[str, int]]:
+        """(schedule, gamma) pairs to run: every gamma fixed, then the adaptive schedules."""
+        fixed = [("fixed", g) for g in self.gammas] if "fixed" in self.schedules else []
+        return fixed + [(s, max(self.gammas)) for s in self.schedules if s != "fixed"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,8 @@ class Row:
     """One configuration's medians."""
 
     temperature: float
-    gamma: int
+    schedule: str
+    gamma: int  # k when fixed; the starting or largest k otherwise
     baseline_tokens_per_s: float
     tokens_per_s: float
     speedup: float
@@ -71,8 +82,8 @@ class Row:
     alpha: float
     tokens_per_target_call: float
     per_position_acceptance: list[float]
-    expected_speedup: float
-    efficiency: float
+    expected_speedup: float | None  # None for the adaptive schedules
+    efficiency: float | None
     runs: int
 
 
@@ -107,39 +118,43 @@ def run_bench(
     done = 0
     for temperature in config.temperatures:
         sampling = SamplingConfig(temperature)
-        runs: dict[int, list] = {g: [] for g in config.gammas}
+        runs: dict[tuple[str, int], list] = {v: [] for v in config.variants}
         for repeat in range(config.repeats):
             for i, prompt in enumerate(prompts):
                 seed = config.seed + 1000 * repeat + i
                 base = GenerationConfig(config.max_new_tokens, sampling, use_draft=False, seed=seed)
                 baseline = pipe.generate(prompt, base).stats
-                for gamma in config.gammas:
-                    spec = GenerationConfig(config.max_new_tokens, sampling, gamma, seed=seed)
-                    runs[gamma].append((baseline, pipe.generate(prompt, spec).stats))
-                done += 1 + len(config.gammas)
+                for schedule, gamma in config.variants:
+                    spec = GenerationConfig(config.max_new_tokens, sampling, gamma, schedule,
+                                            seed=seed)
+                    runs[schedule, gamma].append((baseline, pipe.generate(prompt, spec).stats))
+                done += 1 + len(config.variants)
                 progress(done)
-        report.rows += [_summarise(temperature, g, runs[g], costs) for g in config.gammas]
+        report.rows += [_summarise(temperature, *v, runs[v], costs) for v in config.variants]
     return report
 
 
 def total_runs(config: BenchConfig, prompts: int) -> int:
-    return len(config.temperatures) * config.repeats * prompts * (1 + len(config.gammas))
+    return len(config.temperatures) * config.repeats * prompts * (1 + len(config.variants))
 
 
-def _summarise(temperature: float, gamma: int, pairs: list, costs: Costs) -> Row:
+def _summarise(temperature: float, schedule: str, gamma: int, pairs: list, costs: Costs) -> Row:
     median = statistics.median
     accepted = sum(s.accepted for _, s in pairs)
     drafted = sum(s.drafted for _, s in pairs)
     rejected = sum(s.rejected for _, s in pairs)
     alpha = accepted / (accepted + rejected) if accepted + rejected else 0.0
-    accepted_at, drafted_at = np.zeros(gamma), np.zeros(gamma)
+    width = max(len(s.drafted_at) for _, s in pairs)
+    accepted_at, drafted_at = np.zeros(width), np.zeros(width)
     for _, s in pairs:
         accepted_at[: len(s.accepted_at)] += s.accepted_at
         drafted_at[: len(s.drafted_at)] += s.drafted_at
     speedup = median(s.tokens_per_s / b.tokens_per_s for b, s in pairs)
-    expected = costs.expected_speedup(alpha, gamma)
+    # the formula assumes k fixed; for the adaptive schedules it is left out
+    expected = costs.expected_speedup(alpha, gamma) if schedule == "fixed" else None
     return Row(
         temperature=temperature,
+        schedule=schedule,
         gamma=gamma,
         baseline_tokens_per_s=median(b.tokens_per_s for b, _ in pairs),
         tokens_per_s=median(s.tokens_per_s for _, s in pairs),
@@ -149,7 +164,7 @@ def _summarise(temperature: float, gamma: int, pairs: list, costs: Costs) -> Row
         tokens_per_target_call=median(s.tokens_per_target_call for _, s in pairs),
         per_position_acceptance=(accepted_at / np.maximum(drafted_at, 1)).tolist(),
         expected_speedup=expected,
-        efficiency=speedup / expected,
+        efficiency=speedup / expected if expected else None,
         runs=len(pairs),
     )
 
@@ -178,15 +193,16 @@ def format_table(report: BenchReport) -> str:
         f"{report.prompts} prompts x {report.config.repeats} repeats, "
         f"{report.config.max_new_tokens} new tokens; medians",
         "",
-        f"{'temp':>5} {'gamma':>5} {'target tok/s':>12} {'spec tok/s':>10} {'speedup':>7} "
-        f"{'accept':>6} {'alpha':>5} {'tok/call':>8} {'expected':>8} {'effic.':>6}",
+        f"{'temp':>5} {'schedule':>9} {'gamma':>5} {'target tok/s':>12} {'spec tok/s':>10} "
+        f"{'speedup':>7} {'accept':>6} {'alpha':>5} {'tok/call':>8} {'expected':>8} {'effic.':>6}",
     ]
     for r in report.rows:
+        expected = f"{r.expected_speedup:>7.2f}x {r.efficiency:>6.0%}" if r.expected_speedup else (
+            f"{'-':>8} {'-':>6}")
         lines.append(
-            f"{r.temperature:>5.2g} {r.gamma:>5} {r.baseline_tokens_per_s:>12.1f} "
+            f"{r.temperature:>5.2g} {r.schedule:>9} {r.gamma:>5} {r.baseline_tokens_per_s:>12.1f} "
             f"{r.tokens_per_s:>10.1f} {r.speedup:>6.2f}x {r.acceptance_rate:>6.0%} "
-            f"{r.alpha:>5.2f} {r.tokens_per_target_call:>8.2f} {r.expected_speedup:>7.2f}x "
-            f"{r.efficiency:>6.0%}"
+            f"{r.alpha:>5.2f} {r.tokens_per_target_call:>8.2f} {expected}"
         )
     return "\n".join(lines)
 
@@ -202,7 +218,7 @@ def plot(report: BenchReport, path: Path) -> None:
         raise EdgespecError("--plot needs matplotlib: pip install 'edgespec[bench]'") from None
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for i, temperature in enumerate(report.config.temperatures):
-        rows = [r for r in report.rows if r.temperature == temperature]
+        rows = [r for r in report.rows if r.temperature == temperature and r.schedule == "fixed"]
         gammas = [r.gamma for r in rows]
         color = f"C{i}"
         ax.plot(gammas, [r.speedup for r in rows], "o-", color=color, label=f"T={temperature:g}")

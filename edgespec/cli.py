@@ -157,6 +157,9 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Draft lengths to compare, comma-separated.")
 @click.option("--temperature", "temperatures", default="0,0.7,1", show_default=True,
               help="Temperatures, comma-separated.")
+@click.option("--schedule", "schedules", default="fixed", show_default=True,
+              help="Draft-length schedules, comma-separated: fixed runs every --gamma; "
+                   "heuristic and adaptive run once with the largest.")
 @click.option("--max-new-tokens", "-n", default=128, show_default=True)
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
               help="Prompts, one per line (or JSON Lines of strings). "
@@ -168,7 +171,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--provider", default="auto", show_default=True,
               type=click.Choice(["auto", "cpu", "cuda", "tensorrt"]))
 @_user_errors
-def bench(package: Path | None, gammas: str, temperatures: str, max_new_tokens: int,
+def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, max_new_tokens: int,
           prompts_file: Path | None, repeats: int, json_out: Path | None,
           plot_out: Path | None, provider: str) -> None:
     """Speedup of speculative over target-only decoding, measured side by side."""
@@ -177,7 +180,7 @@ def bench(package: Path | None, gammas: str, temperatures: str, max_new_tokens: 
 
     try:
         config = benchmark.BenchConfig(_ints(gammas), _floats(temperatures), max_new_tokens,
-                                       repeats)
+                                       repeats, schedules=tuple(schedules.split(",")))
     except ValueError as e:
         raise click.ClickException(f"--gamma/--temperature: {e}") from None
     package = package or _demo_package()

@@ -33,15 +33,22 @@ def test_alpha_counts_only_the_draft_tokens_verification_looked_at():
 
 def test_a_short_bench_reports_every_configuration(packages):
     pipe = edgespec.load(packages["llama_noisy"])
-    config = BenchConfig(gammas=(1, 3), temperatures=(0.0, 1.0), max_new_tokens=16, repeats=2)
+    config = BenchConfig(gammas=(1, 3), temperatures=(0.0, 1.0), max_new_tokens=16, repeats=2,
+                         schedules=("fixed", "heuristic"))
     calls = []
     report = run_bench(pipe, ["def add(a, b):", "The quick"], config, progress=calls.append)
-    assert calls[-1] == 2 * 2 * 2 * 3
-    assert [(r.temperature, r.gamma) for r in report.rows] == [(0, 1), (0, 3), (1, 1), (1, 3)]
+    assert calls[-1] == 2 * 2 * 2 * 4
+    assert [(r.temperature, r.schedule, r.gamma) for r in report.rows] == [
+        (0, "fixed", 1), (0, "fixed", 3), (0, "heuristic", 3),
+        (1, "fixed", 1), (1, "fixed", 3), (1, "heuristic", 3),
+    ]
     for row in report.rows:
-        assert row.runs == 4 and row.speedup > 0 and row.expected_speedup > 0
-        assert len(row.per_position_acceptance) == row.gamma
-        assert row.efficiency == pytest.approx(row.speedup / row.expected_speedup)
+        assert row.runs == 4 and row.speedup > 0
+        if row.schedule == "fixed":
+            assert len(row.per_position_acceptance) == row.gamma
+            assert row.efficiency == pytest.approx(row.speedup / row.expected_speedup)
+        else:
+            assert row.expected_speedup is None
     assert len(report.costs.steps.target_ms) == 4
 
 
