@@ -115,13 +115,13 @@ class Pipeline:
                 if text:
                     yield text
                 if stopped:
-                    break
-            else:
-                text, stopped = stops.feed(detok.flush())
-                if tail := text if stopped else text + stops.flush():
-                    yield tail
+                    stats.finish_reason = "stop_string"
+                    return
+            text, stopped = stops.feed(detok.flush())  # a character left incomplete at the end
             if stopped:
                 stats.finish_reason = "stop_string"
+            if tail := text + stops.flush():
+                yield tail
 
         return TextStream(pieces(), lambda text: GenerationResult(text, generated, stats))
 
