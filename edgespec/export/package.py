@@ -109,7 +109,7 @@ def _export_model(
         quantization=variant if variant in QUANTIZATIONS else None,
     )
     length = min(VALIDATION_LENGTH, ckpt.max_positions)
-    deviations, failures = validate_graph(model, root, spec, variant, length)
+    deviations, failures = validate_graph(model, root, spec, ckpt.max_positions, variant, length)
     if failures:
         lines = "\n  ".join(failures)
         raise ExportError(f"the {role} graph failed validation against PyTorch:\n  {lines}")

@@ -29,6 +29,7 @@ def validate_graph(
     model: PreTrainedModel,
     root: Path,
     spec: ModelSpec,
+    max_positions: int,
     variant: str = "fp32",
     length: int = 24,
     seed: int = 0,
@@ -45,7 +46,8 @@ def validate_graph(
         expected = model(torch.from_numpy(ids)[None]).logits[0].float().numpy()  # [n, V]
     scale = max(1.0, float(np.abs(expected).max()))
 
-    session = ModelSession(root / spec.path, spec, spec.vocab_size, SessionConfig("cpu"))
+    session = ModelSession(root / spec.path, spec, spec.vocab_size, max_positions,
+                           SessionConfig("cpu"))
     split = length // 2
     measured = {
         "no_cache": _run(session, [ids]),

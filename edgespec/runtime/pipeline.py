@@ -74,7 +74,7 @@ class Pipeline:
         default_target, default_draft = default_session_configs(provider, draft_provider)
         m = self.manifest
         self.target, self.draft = (
-            ModelSession(self.path / spec.path, spec, m.vocab_size, config, m.max_positions)
+            ModelSession(self.path / spec.path, spec, m.vocab_size, m.max_positions, config)
             for spec, config in ((m.target, target or default_target),
                                  (m.draft, draft or default_draft))
         )

@@ -19,16 +19,13 @@ class ModelSession:
     """An onnxruntime session for one decoder with KV cache inputs and outputs.
 
     The KV input and output names, head count and head size are read from the graph and checked
-    against the manifest, so any layer count or architecture optimum exports works.
+    against the manifest, so any layer count or architecture optimum exports works. Fused
+    graphs (export/fused.py) update a preallocated cache of ``max_positions`` in place;
+    optimum's graphs return a new, longer cache each run.
     """
 
     def __init__(
-        self,
-        path: Path,
-        spec: ModelSpec,
-        vocab_size: int,
-        config: SessionConfig,
-        max_positions: int | None = None,
+        self, path: Path, spec: ModelSpec, vocab_size: int, max_positions: int, config: SessionConfig
     ):
         chain, warning = provider_chain(config)
         options = ort.SessionOptions()
@@ -43,8 +40,7 @@ class ModelSession:
         self.warning = warning or fallback_warning(chain, self.providers)
         self.vocab_size = vocab_size
         self._read_graph(spec)
-        # fused graphs update a preallocated cache in place; optimum's concatenate a new one
-        self.in_place = spec.graph == "fused" and max_positions is not None
+        self.in_place = spec.graph == "fused"
         self.max_positions = max_positions
         self.device = "cuda" if self.providers[0] != "CPUExecutionProvider" else "cpu"
 
