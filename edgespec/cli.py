@@ -216,16 +216,18 @@ def list_models() -> None:
 @models.command("build-demo")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Folder to create: checkpoints/ and package/ go inside.")
-@click.option("--target-minutes", default=33.0, show_default=True, help="Target training budget.")
-@click.option("--draft-minutes", default=14.0, show_default=True, help="Draft distillation budget.")
+@click.option("--target-minutes", type=float, help="Target training budget [default: 33].")
+@click.option("--draft-minutes", type=float, help="Draft distillation budget [default: 14].")
 @click.option("--seed", default=0, show_default=True)
 @_user_errors
-def build_demo(out: Path, target_minutes: float, draft_minutes: float, seed: int) -> None:
+def build_demo(out: Path, target_minutes: float | None, draft_minutes: float | None,
+               seed: int) -> None:
     """Train the demo pair on this Python's standard library and export it (needs the export extra)."""
     if out.exists():
         raise click.ClickException(f"{out} already exists; choose another --out")
     recipe = _needs_export_extra("edgespec.models.recipe")
-    config = recipe.RecipeConfig(seed=seed, target_minutes=target_minutes, draft_minutes=draft_minutes)
+    budgets = {"target_minutes": target_minutes, "draft_minutes": draft_minutes}
+    config = recipe.RecipeConfig(seed=seed, **{k: v for k, v in budgets.items() if v is not None})
     report = recipe.build_demo_package(out, config, progress=lambda line: click.echo(line, err=True))
     click.echo(
         f"wrote {out}: target held-out perplexity {report['target']['heldout_perplexity']:.1f}, "
