@@ -48,12 +48,14 @@ def default_session_configs(
 ) -> tuple[SessionConfig, SessionConfig]:
     """(target, draft) settings that do not fight over a small CPU.
 
-    The draft's steps are tiny: one thread does them as fast as several, and leaves the other
-    cores quiet for the target. Measured on 2 cores with spinning threads on both sessions,
-    speculation ran at 0.6-0.8x of target-only; with the draft on one thread and no spinning
-    it ran faster than target-only.
+    The draft's steps are tiny: one thread does them as fast as several, and with a single
+    thread it has no worker threads to spin. The target gets every core and spinning workers,
+    which answer its next run sooner. Measured on 2 cores with the demo pair: with two spinning
+    threads on both sessions, speculation ran at 0.6-0.8x of target-only; with the draft on one
+    thread, target spinning raised target-only decoding from 363 to 435 tokens/s and speculative
+    (k=8) from 948 to 1059.
     """
-    target = SessionConfig(provider, threads=os.cpu_count() or 1)
+    target = SessionConfig(provider, threads=os.cpu_count() or 1, spin=True)
     return target, SessionConfig(draft_provider or provider, threads=1)
 
 
