@@ -170,8 +170,9 @@ def _summarise(temperature: float, schedule: str, gamma: int, pairs: list, costs
 
 
 
-def read_prompts(path: Path) -> list[str]:
+def read_prompts(path: str | Path) -> list[str]:
     """Prompts from a text file, one a line, or JSON Lines of strings / {"prompt": ...}."""
+    path = Path(path)
     if not path.is_file():
         raise EdgespecError(f"no prompts file at {path}; pass --prompts FILE (one prompt a line)")
     lines = [line for line in path.read_text().splitlines() if line.strip()]

@@ -22,38 +22,44 @@ def process_logits(logits: np.ndarray, sampling: SamplingConfig) -> np.ndarray:
     gives one-hot rows on the argmax (first index on ties), so greedy decoding runs through the
     same acceptance rule: it accepts exactly when the draft's argmax equals the target's.
     """
-    logits = np.asarray(logits, dtype=np.float64)  # [n, V]
     if sampling.greedy:
-        probs = np.zeros_like(logits)
+        probs = np.zeros(logits.shape, dtype=np.float64)  # [n, V]
         probs[np.arange(len(logits)), logits.argmax(axis=-1)] = 1.0
         return probs
 
-    scaled = logits / sampling.temperature
+    # One float64 array, then worked on in place: fresh large temporaries cost more than the
+    # arithmetic (each one's pages are faulted in anew).
+    scaled = np.multiply(logits, 1.0 / sampling.temperature, dtype=np.float64)  # [n, V]
     if sampling.top_k and sampling.top_k < scaled.shape[-1]:
         kth = np.partition(scaled, -sampling.top_k, axis=-1)[:, -sampling.top_k, None]  # [n, 1]
-        scaled = np.where(scaled < kth, -np.inf, scaled)
-    probs = _softmax(scaled)
+        scaled[scaled < kth] = -np.inf
+    probs = _softmax_(scaled)
     if sampling.top_p < 1.0:
-        probs = _nucleus(probs, sampling.top_p)
+        probs = _nucleus_(probs, sampling.top_p)
     return probs
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
+def _softmax_(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, overwriting x."""
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    x /= x.sum(axis=-1, keepdims=True)
+    return x
 
 
-def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p, renormalise."""
-    order = np.argsort(-probs, axis=-1, kind="stable")  # [n, V]
-    sorted_probs = np.take_along_axis(probs, order, axis=-1)
-    # A token is kept if the mass strictly before it is below top_p (the top token always is).
-    mass_before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep_sorted = mass_before < top_p
-    keep = np.empty_like(keep_sorted)
-    np.put_along_axis(keep, order, keep_sorted, axis=-1)
-    kept = np.where(keep, probs, 0.0)
-    return kept / kept.sum(axis=-1, keepdims=True)
+def _nucleus_(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Keep the most likely tokens until their mass reaches top_p, renormalise, in place.
+
+    A token is kept if the mass of the tokens strictly likelier than it is below top_p (so the
+    top token always is); tokens tied with the last one kept are kept too.
+    """
+    ranked = np.sort(probs, axis=-1)[:, ::-1]  # [n, V], descending
+    mass_before = np.cumsum(ranked, axis=-1) - ranked
+    kept = (mass_before < top_p).sum(axis=-1)  # [n], >= 1
+    threshold = ranked[np.arange(len(probs)), kept - 1, None]  # [n, 1]
+    probs[probs < threshold] = 0.0
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
