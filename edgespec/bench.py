@@ -106,6 +106,8 @@ def run_bench(
 ) -> BenchReport:
     """Interleave target-only and speculative runs of every prompt; ``progress(n)`` after n runs.
 
+    Every run generates exactly ``max_new_tokens`` (EOS is ignored), so sampled runs, which
+    differ in text, still decode the same number of tokens over the same context lengths.
     Speedups are medians of paired ratios: each speculative run against the target-only run of
     the same prompt, temperature and repeat.
     """
@@ -122,11 +124,13 @@ def run_bench(
         for repeat in range(config.repeats):
             for i, prompt in enumerate(prompts):
                 seed = config.seed + 1000 * repeat + i
-                base = GenerationConfig(config.max_new_tokens, sampling, use_draft=False, seed=seed)
+                # EOS ignored: every run makes max_new_tokens, whatever it samples
+                base = GenerationConfig(config.max_new_tokens, sampling, use_draft=False,
+                                        seed=seed, ignore_eos=True)
                 baseline = pipe.generate(prompt, base).stats
                 for schedule, gamma in config.variants:
                     spec = GenerationConfig(config.max_new_tokens, sampling, gamma, schedule,
-                                            seed=seed)
+                                            seed=seed, ignore_eos=True)
                     runs[schedule, gamma].append((baseline, pipe.generate(prompt, spec).stats))
                 done += 1 + len(config.variants)
                 progress(done)

@@ -94,6 +94,7 @@ def export(target: Path, draft: Path, out: Path, overwrite: bool, graph: str, dt
 @click.option("--seed", type=int, default=None, help="Seed for sampling.")
 @click.option("--stop", multiple=True, help="Stop at this string (repeatable).")
 @click.option("--no-draft", is_flag=True, help="Decode with the target alone (the baseline).")
+@click.option("--ignore-eos", is_flag=True, help="Generate --max-new-tokens even past EOS.")
 @click.option("--provider", default="auto", show_default=True,
               type=click.Choice(["auto", "cpu", "cuda", "tensorrt"]))
 @click.option("--draft-provider", type=click.Choice(["auto", "cpu", "cuda", "tensorrt"]),
@@ -101,8 +102,9 @@ def export(target: Path, draft: Path, out: Path, overwrite: bool, graph: str, dt
 @click.option("--json", "as_json", is_flag=True, help="Print text and stats as one JSON object.")
 @_user_errors
 def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float, top_k: int,
-             top_p: float, gamma: int, schedule: str, seed: int | None, stop: tuple[str, ...], no_draft: bool,
-             provider: str, draft_provider: str | None, as_json: bool) -> None:
+             top_p: float, gamma: int, schedule: str, seed: int | None, stop: tuple[str, ...],
+             no_draft: bool, ignore_eos: bool, provider: str, draft_provider: str | None,
+             as_json: bool) -> None:
     """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair)."""
     from edgespec.config import GenerationConfig, SamplingConfig
     from edgespec.runtime import load
@@ -121,6 +123,7 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float, top
         use_draft=not no_draft,
         seed=seed,
         stop=stop,
+        ignore_eos=ignore_eos,
     )
     pipe = load(package, provider=provider, draft_provider=draft_provider)
     stream = pipe.stream(prompt, config)

@@ -45,6 +45,8 @@ class GenerationConfig:
     use_draft: False decodes with the target alone (the baseline speculative decoding must match).
     seed: seeds the sampler; the same seed gives the same text.
     stop: strings that end generation; the text is cut before the first one found.
+    ignore_eos: keep generating after EOS until max_new_tokens (for benchmarks: runs of equal
+        length whatever they sample).
     """
 
     max_new_tokens: int = 128
@@ -54,6 +56,7 @@ class GenerationConfig:
     use_draft: bool = True
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

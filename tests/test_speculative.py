@@ -214,6 +214,17 @@ def test_eos_ends_generation_and_is_not_in_the_text(pipes):
         assert "<|endoftext|>" not in r.text
 
 
+def test_ignore_eos_generates_max_new_tokens(pipes):
+    pipe = pipes["gpt2"]
+    ended = next(
+        (p, s) for p in PROMPTS for s in range(3)
+        if pipe.generate(p, max_new_tokens=100, temperature=1, seed=s).stats.finish_reason == "eos"
+    )
+    prompt, seed = ended
+    full = pipe.generate(prompt, max_new_tokens=100, temperature=1, seed=seed, ignore_eos=True)
+    assert len(full.token_ids) == 100 and full.stats.finish_reason == "max_new_tokens"
+
+
 def test_stop_strings_cut_the_text(pipes):
     pipe = pipes["llama"]
     full = pipe.generate("def add(a, b):", max_new_tokens=40).text

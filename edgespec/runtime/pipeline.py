@@ -106,7 +106,7 @@ class Pipeline:
 
         def pieces() -> Iterator[str]:
             detok, stops = IncrementalDecoder(self.tokenizer), StopMatcher(config.stop)
-            eos = set(self.manifest.eos_token_ids)
+            eos = set() if config.ignore_eos else set(self.manifest.eos_token_ids)
             schedule = self._schedule(config)
             rounds = decode(self.target, self.draft, prompt_ids, config, schedule, limit, eos, stats)
             for new in rounds:
