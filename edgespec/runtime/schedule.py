@@ -39,13 +39,17 @@ class StepCosts:
         return k * self.draft_step_ms + self.target_ms[k]
 
     def tokens_per_ms(self, alpha: float, k: int) -> float:
-        """Expected tokens per ms of a round drafting k tokens (Leviathan et al. 2023, eq. 1).
+        """Expected tokens per ms of a round drafting k tokens."""
+        return expected_tokens(alpha, k) / self.round_ms(k)
 
-        A round yields (1 - alpha^(k+1)) / (1 - alpha) tokens on average when each draft token
-        is accepted with probability alpha, independently.
-        """
-        tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-        return tokens / self.round_ms(k)
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a round drafting k yields on average (Leviathan et al. 2023, equation 1).
+
+    (1 - alpha^(k+1)) / (1 - alpha), when each draft token is accepted with probability alpha,
+    independently: the accepted prefix plus the replacement or bonus token.
+    """
+    return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 class Schedule(Protocol):
