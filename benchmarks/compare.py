@@ -22,7 +22,8 @@ def edgespec_rows(data: dict) -> list[dict]:
             rows.append({"temperature": r["temperature"], "mode": "target", "gamma": None,
                          "decode_tokens_per_s": r["baseline_tokens_per_s"], "speedup": None,
                          "acceptance": None})
-        rows.append({"temperature": r["temperature"], "mode": "speculative", "gamma": r["gamma"],
+        mode = "speculative" if r.get("schedule", "fixed") == "fixed" else r["schedule"]
+        rows.append({"temperature": r["temperature"], "mode": mode, "gamma": r["gamma"],
                      "decode_tokens_per_s": r["tokens_per_s"], "speedup": r["speedup"],
                      "acceptance": r["acceptance_rate"]})
     return rows
