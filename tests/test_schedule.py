@@ -39,7 +39,9 @@ def test_adaptive_drafts_long_when_the_draft_is_cheap_and_good():
 
 
 def test_adaptive_turns_speculation_off_when_it_cannot_pay_and_probes_again():
-    schedule = AdaptiveSchedule(COSTLY_DRAFT, prior_alpha=0.3, probe_every=4)
+    # a probe costs 9 + 11 - 10 = 10 ms more than a plain 10 ms step: at 25% overhead, every 4
+    schedule = AdaptiveSchedule(COSTLY_DRAFT, prior_alpha=0.3, probe_overhead=0.25)
+    assert schedule.probe_every == 4
     assert schedule.next_k() == 0
     ks = []
     for _ in range(10):
@@ -47,6 +49,12 @@ def test_adaptive_turns_speculation_off_when_it_cannot_pay_and_probes_again():
         ks.append(k)
         schedule.update(k, 0)
     assert ks == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+
+
+def test_probes_are_rare_when_a_multi_token_run_is_slow():
+    slow_verify = StepCosts(draft_step_ms=0.1, target_ms=(0.7, 2.8, 3.0))  # int4 on a CPU
+    assert AdaptiveSchedule(slow_verify).probe_every == 63  # (0.1 + 2.8 - 0.7) / (5% of 0.7)
+    assert AdaptiveSchedule(CHEAP_DRAFT).probe_every == 4
 
 
 def test_adaptive_shortens_k_as_acceptance_falls():

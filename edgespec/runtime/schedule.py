@@ -13,6 +13,7 @@ each round is a complete speculative sampling step whatever its k. The choice on
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -91,8 +92,10 @@ class AdaptiveSchedule:
     looked at (accepted ones, plus the one rejection of each round that had one), with
     exponential forgetting so it follows the text: code boilerplate drafts well, names do not.
     The estimate starts from ``prior_alpha`` worth ``prior_weight`` tokens. While speculation
-    is off (k = 0) nothing is learnt, so every ``probe_every`` target-only steps one round
-    with k = 1 checks whether the draft has become useful again.
+    is off (k = 0) nothing is learnt, so now and then one round with k = 1 checks whether the
+    draft has become useful again; probes are spaced so that they cost at most
+    ``probe_overhead`` of the target-only time (a graph whose multi-token runs are slow, like
+    int4 MatMulNBits on some CPUs, is probed rarely).
     """
 
     def __init__(
@@ -101,10 +104,12 @@ class AdaptiveSchedule:
         prior_alpha: float = 0.6,
         prior_weight: float = 4.0,
         decay: float = 0.9,
-        probe_every: int = 8,
+        probe_overhead: float = 0.05,
     ):
-        self.costs, self.decay, self.probe_every = costs, decay, probe_every
+        self.costs, self.decay = costs, decay
         self.accepted, self.looked_at = prior_alpha * prior_weight, prior_weight
+        extra_ms = costs.round_ms(1) - costs.target_ms[0]  # a probe against a plain step
+        self.probe_every = max(4, math.ceil(extra_ms / (probe_overhead * costs.target_ms[0])))
         self.steps_off = 0
 
     @property
