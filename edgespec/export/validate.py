@@ -17,9 +17,9 @@ from edgespec.runtime.providers import SessionConfig
 from edgespec.runtime.session import ModelSession
 
 # Tolerance on max |ORT logits - PyTorch logits|, as a fraction of the largest |logit| (at
-# least 1): fp32 graphs measured here differ by ~1e-6 of it; the others by what rounding
-# weights or activations costs, measured on the demo pair (see README).
-TOLERANCES = {"fp32": 1e-3, "fp16": 2e-2, "int8": 5e-2, "int4": 2e-1}
+# least 1). Measured on the demo target (largest logit 11.3): fp32 1e-6 of it, fp16 6e-4,
+# int8 2.7e-3, int4 5.1e-2; each tolerance leaves room for models that round worse.
+TOLERANCES = {"fp32": 1e-3, "fp16": 1e-2, "int8": 2e-2, "int4": 2e-1}
 # Cached vs uncached runs of the same graph: the runtime's exactness rests on a token's logits
 # not depending on how many tokens share its run.
 CONSISTENCY = 1e-3
