@@ -172,3 +172,22 @@ def test_quantize_and_fp16_together_are_refused(checkpoints, tmp_path):
     with pytest.raises(ExportError, match="--quantize works on fp32 graphs"):
         export_pair(checkpoints["gpt2_target"], checkpoints["gpt2_draft"], tmp_path / "p",
                     dtype="fp16", quantize="int4")
+
+
+def test_qwen2_with_qkv_biases_gets_a_fused_graph(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    bpe = _hf_tokenizer(_train_bpe(400))
+    torch.manual_seed(14)
+    config = Qwen2Config(vocab_size=len(bpe), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, bos_token_id=0, eos_token_id=0)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # random biases, so that leaving them out would fail validation
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    _save(model, bpe, tmp_path / "qwen2")
+    manifest = export_pair(tmp_path / "qwen2", tmp_path / "qwen2", tmp_path / "pkg")
+    assert manifest.target.graph == "fused" and manifest.target.architecture == "qwen2"
+    assert manifest.target.validation["max_abs_diff_no_cache"] <= 1e-4
