@@ -187,8 +187,8 @@ def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, 
     except ValueError as e:
         raise click.ClickException(f"--gamma/--temperature: {e}") from None
     package = package or _demo_package()
-    prompts = benchmark.read_prompts(prompts_file or package / benchmark.PROMPTS_NAME)
     pipe = load(package, provider=provider)
+    prompts = benchmark.read_prompts(prompts_file or package / benchmark.PROMPTS_NAME)
     total = benchmark.total_runs(config, len(prompts))
     with click.progressbar(length=total, label="benchmarking", file=sys.stderr) as bar:
         report = benchmark.run_bench(pipe, prompts, config, progress=lambda n: bar.update(n - bar.pos))
