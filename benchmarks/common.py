@@ -226,6 +226,23 @@ def warm_up(generates: Iterable[Generate]) -> None:
         generate(0, 0.0, 0)
 
 
+def measure(args, prompts: list[str], temperatures: list[float], baseline: Generate,
+            variants: list[tuple[str, int | str | None, Generate]],
+            runtime: str) -> tuple[list[Run], list[dict]]:
+    """Warm up, run every pair, summarise and print the table; returns (runs, rows).
+
+    ``runtime`` describes what ran (versions, threads) at the head of the table.
+    """
+    warm_up([baseline, *(v[2] for v in variants)])
+    runs = run_pairs(prompts, temperatures, args.repeats, args.seed, baseline, variants,
+                     args.max_new_tokens)
+    rows = summarise(runs)
+    title = (f"{runtime}: {len(prompts)} prompts x {args.repeats} repeats, "
+             f"{args.max_new_tokens} new tokens; medians")
+    print(format_table(title, rows))
+    return runs, rows
+
+
 # --- summary -------------------------------------------------------------------------------------
 
 

@@ -213,14 +213,11 @@ def main() -> None:
                       runner(base, {"ngram_size": args.ngram_size, "max_draft_tokens": g}))
                      for g in gammas]
     baseline = runner(base, None)
-    common.warm_up([baseline, *(v[2] for v in variants)])
-    runs = common.run_pairs(prompts, temperatures, args.repeats, args.seed, baseline, variants,
-                            args.max_new_tokens)
-    rows = common.summarise(runs)
-    title = (f"onnxruntime-genai {og.__version__} (graphs by builder {builds['builder_version']}, "
-             f"{args.precision}), {args.threads} intra-op threads: {len(prompts)} prompts x "
-             f"{args.repeats} repeats, {args.max_new_tokens} new tokens; medians")
-    print(common.format_table(title, rows))
+    runs, rows = common.measure(
+        args, prompts, temperatures, baseline, variants,
+        f"onnxruntime-genai {og.__version__} (graphs by builder {builds['builder_version']}, "
+        f"{args.precision}), {args.threads} intra-op threads",
+    )
     settings = {
         "n_prompts": len(prompts),
         "temperatures": temperatures,

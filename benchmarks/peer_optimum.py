@@ -109,14 +109,11 @@ def main() -> None:
         config = generation_config(tokenizer, args.max_new_tokens, temperature)
         return timed_generate(model, ids[i], config, seed)
 
-    common.warm_up([baseline])
-    runs = common.run_pairs(prompts, temperatures, args.repeats, args.seed, baseline, [],
-                            args.max_new_tokens)
-    rows = common.summarise(runs)
-    title = (f"optimum-onnx {common.versions(['optimum-onnx'])['optimum-onnx']} / onnxruntime "
-             f"{ort.__version__}, {args.threads} intra-op threads: {len(prompts)} prompts x "
-             f"{args.repeats} repeats, {args.max_new_tokens} new tokens; medians")
-    print(common.format_table(title, rows))
+    runs, rows = common.measure(
+        args, prompts, temperatures, baseline, [],
+        f"optimum-onnx {common.versions(['optimum-onnx'])['optimum-onnx']} / onnxruntime "
+        f"{ort.__version__}, {args.threads} intra-op threads",
+    )
     settings = {
         "n_prompts": len(prompts),
         "temperatures": temperatures,

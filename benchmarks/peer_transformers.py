@@ -123,14 +123,11 @@ def main() -> None:
         return generate
 
     variants = [("assisted", g, assisted(g)) for g in gammas]
-    common.warm_up([baseline, *(v[2] for v in variants)])
-    runs = common.run_pairs(prompts, temperatures, args.repeats, args.seed, baseline, variants,
-                            args.max_new_tokens)
-    rows = common.summarise(runs)
-    title = (f"transformers {common.versions(['transformers'])['transformers']} / torch "
-             f"{torch.__version__}, {args.threads} threads: {len(prompts)} prompts x "
-             f"{args.repeats} repeats, {args.max_new_tokens} new tokens; medians")
-    print(common.format_table(title, rows))
+    runs, rows = common.measure(
+        args, prompts, temperatures, baseline, variants,
+        f"transformers {common.versions(['transformers'])['transformers']} / torch "
+        f"{torch.__version__}, {args.threads} threads",
+    )
     settings = {
         "n_prompts": len(prompts),
         "temperatures": temperatures,
