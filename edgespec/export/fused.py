@@ -30,6 +30,7 @@ import torch
 from transformers import PreTrainedModel
 
 from edgespec.errors import ExportError
+from edgespec.export.onnx_io import save_model
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 _MS = "com.microsoft"
@@ -68,9 +69,7 @@ def build_fused_graph(model: PreTrainedModel, folder: Path) -> None:
         producer_name="edgespec",
     )
     folder.mkdir(parents=True)
-    big = sum(i.ByteSize() for i in graph.initializer) > 2**31 - 2**26
-    onnx.save(model_proto, str(folder / "model.onnx"), save_as_external_data=big,
-              location="model.onnx_data")
+    save_model(model_proto, folder)
 
 
 def _head_dim(config) -> int:

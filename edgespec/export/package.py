@@ -18,6 +18,7 @@ import edgespec
 from edgespec.errors import ExportError
 from edgespec.export.fused import build_fused_graph, can_fuse
 from edgespec.export.graph import describe_graph, export_graph, load_model
+from edgespec.export.onnx_io import pin_ir_version
 from edgespec.export.precision import (
     DTYPES,
     QUANTIZATIONS,
@@ -95,6 +96,7 @@ def _export_model(
         build_fused_graph(model, folder)
     else:
         export_graph(model, folder)
+    pin_ir_version(folder)
     stored_fp16 = 0
     if variant == "fp16":
         convert_fp16(folder)

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
+from edgespec.export.onnx_io import save_model
+
 DTYPES = ("fp32", "fp16")
 QUANTIZATIONS = ("int8", "int4")
 QUANT_BLOCK_SIZE = 32
 _MIN_WEIGHT_SIZE = 1024  # smaller constants are not worth a Cast node
-_PROTOBUF_LIMIT = 2**31 - 2**26  # beyond this, weights go to model.onnx_data
 
 
 def store_exact_fp16(folder: Path) -> int:
@@ -80,14 +81,7 @@ def _load(folder: Path):
 
 
 def _save(model, folder: Path) -> None:
-    """Replace folder/model.onnx (and its external data, for graphs over 2 GB)."""
-    import onnx
-
-    for stale in folder.glob("model.onnx*"):
-        stale.unlink()
-    big = sum(len(init.raw_data) for init in model.graph.initializer) > _PROTOBUF_LIMIT
-    onnx.save(model, str(folder / "model.onnx"), save_as_external_data=big,
-              location="model.onnx_data")
+    save_model(model, folder)
 
 
 def _size(init) -> int:
