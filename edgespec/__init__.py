@@ -3,21 +3,24 @@
     import edgespec
     pipe = edgespec.load("pkg")            # a folder made by `edgespec export`
     print(pipe.generate("def fibonacci(n):", max_new_tokens=64).text)
+
+The runtime (onnxruntime, NumPy, tokenizers) is imported on first use of its names, so the
+command line starts, and answers Ctrl-C, before the heavy imports.
 """
 
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.errors import EdgespecError
-from edgespec.runtime import GenerationResult, GenerationStats, Pipeline, SessionConfig, load
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "EdgespecError",
-    "GenerationConfig",
-    "GenerationResult",
-    "GenerationStats",
-    "Pipeline",
-    "SamplingConfig",
-    "SessionConfig",
-    "load",
-]
+_RUNTIME = ("GenerationResult", "GenerationStats", "Pipeline", "SessionConfig", "load")
+
+__all__ = ["EdgespecError", "GenerationConfig", "SamplingConfig", *_RUNTIME]
+
+
+def __getattr__(name: str):
+    if name in _RUNTIME:
+        import edgespec.runtime
+
+        return getattr(edgespec.runtime, name)
+    raise AttributeError(f"module 'edgespec' has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from edgespec.cli import main
+from edgespec.cli import entry
 
-main()
+entry()

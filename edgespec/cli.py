@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -12,6 +14,47 @@ from pathlib import Path
 import click
 
 from edgespec.errors import EdgespecError
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the program is, so that cleanup runs as it does for Ctrl-C."""
+
+
+def entry() -> None:
+    """The ``edgespec`` console script: the commands, with signals and exit codes handled.
+
+    Ctrl-C exits 130 and SIGTERM 143 (128 + the signal's number, as shells report them), with
+    one line and no traceback, after every ``finally`` has run (an export removes its temporary
+    folder). A closed stdout (``| head``) ends quietly.
+    """
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        main(standalone_mode=False)
+    except click.exceptions.Abort as e:
+        if isinstance(e.__cause__, KeyboardInterrupt):
+            _exit("interrupted", 130)
+        _exit("Aborted!", 1)
+    except KeyboardInterrupt:
+        _exit("interrupted", 130)
+    except Terminated:
+        _exit("terminated", 143)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        sys.exit(1)
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
+def _exit(message: str, code: int) -> None:
+    click.echo(message, err=True)
+    sys.exit(code)
 
 
 def _user_errors(command):

@@ -15,6 +15,12 @@ MANIFEST_NAME = "edgespec.json"
 PROMPTS_NAME = "prompts.jsonl"  # optional: prompts for `edgespec bench`, JSON Lines of strings
 REPORT_NAME = "training_report.json"  # optional: how the pair was trained (the demo pair)
 FORMAT_VERSION = 1
+TOKENIZER_NAME = "tokenizer.json"
+# Everything an export (or the demo recipe) writes into a package folder: --overwrite replaces
+# a folder only if it holds nothing else.
+PACKAGE_ENTRIES = frozenset(
+    {MANIFEST_NAME, TOKENIZER_NAME, PROMPTS_NAME, REPORT_NAME, "target", "draft"}
+)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -109,13 +114,87 @@ def test_an_interrupted_export_leaves_nothing(checkpoints, tmp_path, monkeypatch
 
 def test_an_existing_package_is_kept_unless_overwrite(packages, checkpoints, tmp_path):
     out = tmp_path / "pkg"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    shutil.copytree(packages["llama"], out)
     with pytest.raises(ExportError, match="already exists; choose another --out or pass --overwrite"):
         export_pair(checkpoints["gpt2_target"], checkpoints["gpt2_draft"], out)
-    assert (out / "keep.txt").exists()
+    assert Manifest.read(out).target.architecture == "llama"
     export_pair(checkpoints["gpt2_target"], checkpoints["gpt2_draft"], out, overwrite=True)
-    assert not (out / "keep.txt").exists() and Manifest.read(out).target.architecture == "gpt2"
+    assert Manifest.read(out).target.architecture == "gpt2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]  # nothing aside is left
+    assert out.stat().st_mode & 0o777 == 0o777 & ~_umask()  # not mkdtemp's 0700
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_overwrite_never_deletes_what_edgespec_did_not_write(packages, checkpoints, tmp_path):
+    pair = checkpoints["gpt2_target"], checkpoints["gpt2_draft"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match="is not an edgespec package"):
+        export_pair(*pair, mine, overwrite=True)
+    package = tmp_path / "pkg"
+    shutil.copytree(packages["llama"], package)
+    (package / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match=r"holds files edgespec did not write \(notes.txt\)"):
+        export_pair(*pair, package, overwrite=True)
+    assert (mine / "notes.txt").exists() and (package / "notes.txt").exists()
+
+
+@pytest.mark.parametrize("where", [".", "..", "{cwd}"])
+def test_the_current_folder_and_its_parents_are_never_the_output(checkpoints, tmp_path,
+                                                                  monkeypatch, where):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "mine.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    with pytest.raises(ExportError, match="is the current folder or one of its parents"):
+        export_pair(checkpoints["gpt2_target"], checkpoints["gpt2_draft"],
+                    where.format(cwd=work), overwrite=True)
+    assert sorted(p.name for p in work.iterdir()) == ["mine.txt"]
+
+
+def test_bad_destinations_are_refused_before_any_work(checkpoints, tmp_path, monkeypatch):
+    from edgespec.export import package
+
+    monkeypatch.setattr(package, "read_checkpoint", None)  # any work would crash first
+    (tmp_path / "file").write_text("x")
+    pair = checkpoints["gpt2_target"], checkpoints["gpt2_draft"]
+    with pytest.raises(ExportError, match="is a file; choose a folder path"):
+        export_pair(*pair, tmp_path / "file")
+    with pytest.raises(ExportError, match="file is a file, not a folder"):
+        export_pair(*pair, tmp_path / "file" / "pkg")
+
+
+def test_a_failed_export_creates_no_parent_folders(checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setitem(validate.TOLERANCES, "fp32", 1e-12)
+    with pytest.raises(ExportError, match="failed validation"):
+        export_pair(checkpoints["gpt2_target"], checkpoints["gpt2_draft"], tmp_path / "a" / "b")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_during_export_exits_with_its_code_and_leaves_nothing(checkpoints, tmp_path,
+                                                                       signum, code):
+    out = tmp_path / "nested" / "pkg"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgespec", "export", "--target", checkpoints["llama_target"],
+         "--draft", checkpoints["llama_draft"], "--out", out],
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )
+    for line in proc.stderr:
+        if line.startswith("[2/4]"):  # the temporary folder exists now
+            break
+    assert any(tmp_path.glob(".pkg.*.partial"))
+    proc.send_signal(signum)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == code
+    assert "Traceback" not in rest and rest.strip().splitlines()[-1] in ("terminated", "interrupted")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_draft_that_cannot_propose_every_target_token_is_refused(checkpoints, tmp_path):

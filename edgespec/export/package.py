@@ -1,13 +1,12 @@
 """``edgespec export``: check the pair, export and validate both graphs, write the package.
 
-The package is built in a hidden temporary folder beside ``out`` and renamed into place at the
-end, so a failed or interrupted export leaves nothing at ``out``.
+The destination is checked before any work and the package is built in a hidden temporary
+folder renamed into place at the end (``destination.py``): a failed or interrupted export leaves
+nothing behind, and ``--overwrite`` replaces only an edgespec package.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import edgespec
 from edgespec.errors import ExportError
+from edgespec.export.destination import atomic_folder, check_destination
 from edgespec.export.fused import build_fused_graph, can_fuse
 from edgespec.export.graph import describe_graph, export_graph, load_model
 from edgespec.export.onnx_io import pin_ir_version
@@ -66,15 +66,13 @@ def export_pair(
         raise ExportError(f"--graph must be one of {', '.join(GRAPHS)}, got {graph!r}")
     variant = quantize or dtype
     report = _Steps(progress or (lambda line: None), total=4)
-    if out.exists() and not overwrite and any(out.iterdir()):
-        raise ExportError(f"{out} already exists; choose another --out or pass --overwrite")
+    out = check_destination(out, overwrite)
 
     with report.step("checking the pair"):
         target_ckpt = read_checkpoint(Path(target), "target")
         draft_ckpt = read_checkpoint(Path(draft), "draft")
         vocab_size = check_pair(target_ckpt, draft_ckpt)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_folder(out) as tmp:
         specs = {}
         for role, ckpt in (("target", target_ckpt), ("draft", draft_ckpt)):
@@ -143,19 +141,6 @@ def _adds_bos(tokenizer) -> bool:
     """Whether the Hugging Face tokenizer starts every prompt with BOS (Llama-style)."""
     bos = tokenizer.bos_token_id
     return bos is not None and tokenizer("x").input_ids[:1] == [bos]
-
-
-@contextmanager
-def atomic_folder(out: Path) -> Iterator[Path]:
-    """A temporary folder beside ``out``, renamed to ``out`` only if the block succeeds."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    try:
-        yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class _Steps:

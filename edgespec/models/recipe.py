@@ -42,7 +42,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from edgespec.errors import EdgespecError
 from edgespec.export import export_pair
-from edgespec.export.package import atomic_folder
+from edgespec.export.destination import atomic_folder
 from edgespec.manifest import PROMPTS_NAME, REPORT_NAME
 
 Progress = Callable[[str], None]
