@@ -37,7 +37,8 @@ class ModelSpec:
     kv_outputs: list[str]
     graph: str = "optimum"  # "optimum" (optimum's exporter) or "fused" (export/fused.py)
     dtype: str = "float32"  # what the graph computes in
-    weights_stored_fp16: int = 0  # weights stored as exact float16 values, cast back on load
+    stored: dict = field(default_factory=dict)  # float weights per stored type (bfloat16: cast
+    # to float32 at load, losslessly)
     quantization: str | None = None  # "int8" / "int4": block-wise weight-only MatMulNBits
     parameters: int = 0
     validation: dict = field(default_factory=dict)

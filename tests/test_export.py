@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from conftest import _hf_tokenizer, _save, _train_bpe, llama
@@ -89,7 +90,7 @@ def test_fp16_checkpoints_export_and_validate(tmp_path):
 
 
 def test_validation_failures_are_collected_and_nothing_is_left(checkpoints, tmp_path, monkeypatch):
-    monkeypatch.setitem(validate.TOLERANCES, "fp32", 1e-12)
+    monkeypatch.setattr(validate, "FP32_TOLERANCE", 1e-12)
     out = tmp_path / "pkg"
     with pytest.raises(ExportError) as failure:
         export_pair(checkpoints["llama_target"], checkpoints["llama_draft"], out)
@@ -171,7 +172,7 @@ def test_bad_destinations_are_refused_before_any_work(checkpoints, tmp_path, mon
 
 
 def test_a_failed_export_creates_no_parent_folders(checkpoints, tmp_path, monkeypatch):
-    monkeypatch.setitem(validate.TOLERANCES, "fp32", 1e-12)
+    monkeypatch.setattr(validate, "FP32_TOLERANCE", 1e-12)
     with pytest.raises(ExportError, match="failed validation"):
         export_pair(checkpoints["gpt2_target"], checkpoints["gpt2_draft"], tmp_path / "a" / "b")
     assert list(tmp_path.iterdir()) == []
@@ -204,7 +205,11 @@ def test_a_draft_that_cannot_propose_every_target_token_is_refused(checkpoints, 
         export_pair(checkpoints["llama_target"], tmp_path / "short", tmp_path / "out")
 
 
-def test_fp16_weights_are_stored_at_half_size_and_compute_the_same(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("graph", ["fused", "optimum"])
+def test_half_precision_checkpoints_are_stored_at_their_size_and_compute_exactly(tmp_path, dtype,
+                                                                                 graph):
+    """bf16/fp16 weights stay bf16/fp16 on disk, cast to fp32 at load: an fp32 upcast's logits."""
     import numpy as np
 
     import edgespec
@@ -212,20 +217,59 @@ def test_fp16_weights_are_stored_at_half_size_and_compute_the_same(tmp_path):
     bpe = _hf_tokenizer(_train_bpe(400))
     model = llama(len(bpe), 64, 2, seed=13)
     _save(model, bpe, tmp_path / "fp32")
-    _save(model.to(torch.float16), bpe, tmp_path / "fp16")
-    full = export_pair(tmp_path / "fp32", tmp_path / "fp32", tmp_path / "pkg32")
-    half = export_pair(tmp_path / "fp16", tmp_path / "fp16", tmp_path / "pkg16")
-    assert full.target.weights_stored_fp16 == 0 and half.target.weights_stored_fp16 >= 8
-    size = {p: (tmp_path / p / "target" / "model.onnx").stat().st_size for p in ("pkg32", "pkg16")}
-    assert size["pkg16"] < 0.6 * size["pkg32"]
+    _save(model.to(dtype), bpe, tmp_path / "half")
+    _save(model.float(), bpe, tmp_path / "upcast")  # the half weights, saved as fp32
+    for source, pkg in (("half", "pkg16"), ("upcast", "pkg32"), ("fp32", "full")):
+        export_pair(tmp_path / source, tmp_path / source, tmp_path / pkg, graph=graph)
+    half = Manifest.read(tmp_path / "pkg16")
+    name = str(dtype).removeprefix("torch.")
+    assert half.target.stored.get(name, 0) >= 8 and half.target.stored.get("float", 0) <= 8
+    size = {p: _package_bytes(tmp_path / p / "target") for p in ("full", "pkg16")}
+    assert size["pkg16"] < 0.62 * size["full"]  # tiny: the graph and small weights weigh too
     ids = np.arange(1, 30)
     logits = {}
     for p in ("pkg32", "pkg16"):
         session = edgespec.load(tmp_path / p).target
         logits[p] = session.forward(ids, session.new_cache())
-    # the fp16 package computes in fp32 on fp16-rounded weights: close, and validated exactly
-    np.testing.assert_allclose(logits["pkg16"], logits["pkg32"], atol=0.05)
+    np.testing.assert_allclose(logits["pkg16"], logits["pkg32"], rtol=0, atol=1e-5)
     assert half.target.validation["max_abs_diff_no_cache"] <= 1e-4
+
+
+def _package_bytes(folder) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def test_tied_embeddings_are_stored_once(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    bpe = _hf_tokenizer(_train_bpe(400))
+    sizes = {}
+    for tied in (True, False):
+        torch.manual_seed(15)
+        config = LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=64,
+                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64, tie_word_embeddings=tied,
+                             bos_token_id=0, eos_token_id=0)
+        _save(LlamaForCausalLM(config).eval(), bpe, tmp_path / f"ckpt{tied}")
+        manifest = export_pair(tmp_path / f"ckpt{tied}", tmp_path / f"ckpt{tied}",
+                               tmp_path / f"pkg{tied}")
+        assert manifest.target.validation["max_abs_diff_no_cache"] <= 1e-4
+        sizes[tied] = _package_bytes(tmp_path / f"pkg{tied}" / "target")
+    table = 2048 * 64 * 4
+    assert sizes[False] - sizes[True] > 0.9 * table
+
+
+def test_large_models_keep_their_weights_in_an_external_file(checkpoints, tmp_path, monkeypatch):
+    from edgespec.export import onnx_io
+
+    monkeypatch.setattr(onnx_io, "EXTERNAL_ABOVE", 0)
+    from edgespec.export import fused
+
+    monkeypatch.setattr(fused, "EXTERNAL_ABOVE", 0)
+    manifest = export_pair(checkpoints["llama_target"], checkpoints["llama_noisy"], tmp_path / "p")
+    target = tmp_path / "p" / "target"
+    assert (target / "model.onnx_data").stat().st_size > 10 * (target / "model.onnx").stat().st_size
+    assert manifest.target.validation["max_abs_diff_no_cache"] <= 1e-4
 
 
 @pytest.mark.parametrize("options", [{"quantize": "int8"}, {"quantize": "int4"}, {"dtype": "fp16"}])
@@ -237,14 +281,55 @@ def test_reduced_precision_exports_validate_and_stay_exact(checkpoints, tmp_path
                            **options)
     variant = options.get("quantize") or options.get("dtype")
     for spec in (manifest.target, manifest.draft):
-        assert spec.validation["variant"] == variant
-        assert spec.validation["max_abs_diff_no_cache"] <= spec.validation["tolerance"]
+        figures = spec.validation
+        assert figures["variant"] == variant and figures["failures"] == []
+        assert figures["mean_tv"] <= figures["max_mean_tv"]
+        assert figures["max_abs_diff_cached_vs_uncached"] <= 1e-3 * figures["logit_scale"]
     assert manifest.target.quantization == options.get("quantize")
     assert manifest.target.dtype == ("float16" if variant == "fp16" else "float32")
     pipe = edgespec.load(tmp_path / "p")
     for prompt in ("def add(a, b):", "The quick brown"):
         baseline = pipe.generate(prompt, max_new_tokens=32, use_draft=False).token_ids
         assert pipe.generate(prompt, max_new_tokens=32, gamma=3).token_ids == baseline
+
+
+def test_int4_packages_quantize_the_embedding_and_lm_head(checkpoints, tmp_path):
+    import onnx
+
+    export_pair(checkpoints["llama_target"], checkpoints["llama_noisy"], tmp_path / "p",
+                quantize="int4")
+    graph = onnx.load(str(tmp_path / "p" / "target" / "model.onnx")).graph
+    ops = {n.op_type for n in graph.node}
+    assert "GatherBlockQuantized" in ops and "Gather" not in {
+        n.op_type for n in graph.node if n.input and n.input[-1] == "input_ids"}
+    floats = [i for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT]
+    assert max(int(np.prod(i.dims)) for i in floats) < 128 * 64  # no full-precision table left
+
+
+def test_the_lossy_gate_measures_distributions_and_report_mode_writes_anyway(checkpoints,
+                                                                             tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setitem(validate.LOSSY_GATES, "int4", (1e-9, 1.0))
+    with pytest.raises(ExportError, match="mean total variation"):
+        export_pair(checkpoints["llama_target"], checkpoints["llama_noisy"], tmp_path / "p",
+                    quantize="int4")
+    assert not (tmp_path / "p").exists()
+    lines = []
+    manifest = export_pair(checkpoints["llama_target"], checkpoints["llama_noisy"], tmp_path / "p",
+                           quantize="int4", validation="report", progress=lines.append)
+    assert manifest.target.validation["failures"] and any("--validate report" in l for l in lines)
+    skipped = export_pair(checkpoints["llama_target"], checkpoints["llama_noisy"], tmp_path / "s",
+                          validation="skip")
+    assert skipped.target.validation == {"variant": "fp32", "skipped": True}
+
+
+def test_distribution_figures_follow_their_definitions():
+    p = np.log(np.array([[0.7, 0.2, 0.1], [0.4, 0.35, 0.25]]))
+    q = np.log(np.array([[0.6, 0.3, 0.1], [0.3, 0.45, 0.25]]))
+    figures = validate.distribution_figures(p, q)
+    assert figures["mean_tv"] == pytest.approx((0.1 + 0.1) / 2)
+    assert figures["top1_agreement"] == 0.5
+    assert figures["clear_positions"] == 1 and figures["clear_top1_agreement"] == 1.0
 
 
 def test_quantize_and_fp16_together_are_refused(checkpoints, tmp_path):

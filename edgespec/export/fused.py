@@ -30,7 +30,7 @@ import torch
 from transformers import PreTrainedModel
 
 from edgespec.errors import ExportError
-from edgespec.export.onnx_io import save_model
+from edgespec.export.onnx_io import EXTERNAL_ABOVE, WeightStore, write_graph
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 _MS = "com.microsoft"
@@ -55,21 +55,33 @@ def can_fuse(model: PreTrainedModel) -> str | None:
     return None
 
 
-def build_fused_graph(model: PreTrainedModel, folder: Path) -> None:
-    """Write folder/model.onnx for a Llama-family ``model`` (float32)."""
-    import onnx
+def build_fused_graph(model: PreTrainedModel, folder: Path, keep_precision: bool = True) -> dict:
+    """Write folder/model.onnx for a Llama-family ``model``; the graph computes in float32.
 
+    keep_precision: store each weight in the checkpoint's own type (bf16 or fp16) with a Cast
+        to float32 that onnxruntime folds when the session loads: the package is as large as
+        the checkpoint and computes exactly as an fp32 upcast would. False stores float32, for
+        the passes that rewrite weights afterwards (quantization, fp16 conversion).
+    Weights go straight to disk as they are made (model.onnx_data for models over 1 GB), so the
+    build needs little memory beyond the model itself. Returns the number of weights per stored
+    type.
+    """
     reason = can_fuse(model)
     if reason:
         raise ExportError(f"cannot build a fused graph: {reason}; use --graph optimum")
-    graph = _Builder(model).build()
-    model_proto = onnx.helper.make_model(
-        graph,
-        opset_imports=[onnx.helper.make_opsetid("", _OPSET), onnx.helper.make_opsetid(_MS, 1)],
-        producer_name="edgespec",
-    )
     folder.mkdir(parents=True)
-    save_model(model_proto, folder)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    with WeightStore(folder, external=weight_bytes > EXTERNAL_ABOVE,
+                     keep_precision=keep_precision) as store:
+        graph = _Builder(model, store, tie=keep_precision and _tied(model)).build()
+    write_graph(graph, folder, [("", _OPSET), (_MS, 1)])
+    return store.counts
+
+
+def _tied(model: PreTrainedModel) -> bool:
+    """Whether lm_head is the embedding table itself (then it is stored once)."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and head.weight.data_ptr() == embed.weight.data_ptr()
 
 
 def _head_dim(config) -> int:
@@ -77,19 +89,17 @@ def _head_dim(config) -> int:
 
 
 class _Builder:
-    """Collects nodes and weights while walking the model's layers once."""
+    """Collects nodes while walking the model's layers once; weights go to the store."""
 
-    def __init__(self, model: PreTrainedModel):
-        self.model, self.config = model, model.config
-        self.nodes, self.weights = [], []
+    def __init__(self, model: PreTrainedModel, store: WeightStore, tie: bool):
+        self.model, self.config, self.store, self.tie = model, model.config, store, tie
+        self.nodes = []
 
     # -- small helpers ------------------------------------------------------------------------
 
-    def weight(self, name: str, array: np.ndarray) -> str:
-        from onnx import numpy_helper
-
-        self.weights.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
-        return name
+    def weight(self, name: str, value: torch.Tensor | np.ndarray) -> str:
+        """A constant input; float tensors keep their stored type behind a Cast."""
+        return self.store.add(name, value, self.nodes)
 
     def node(self, op: str, inputs: list[str], outputs: list[str] | int = 1, domain: str = "",
              **attrs) -> list[str]:
@@ -103,17 +113,17 @@ class _Builder:
 
     def linear(self, name: str, x: str, *modules: torch.nn.Linear) -> str:
         """x @ W^T (+ b) for one or several Linear layers fused along the output axis."""
-        w = np.concatenate([_array(m.weight).T for m in modules], axis=1)  # [in, out]
+        w = torch.cat([m.weight.detach().T for m in modules], dim=1)  # [in, out]
         (out,) = self.node("MatMul", [x, self.weight(f"{name}.weight", w)])
         if modules[0].bias is not None:
-            b = np.concatenate([_array(m.bias) for m in modules])
+            b = torch.cat([m.bias.detach() for m in modules])
             (out,) = self.node("Add", [out, self.weight(f"{name}.bias", b)])
         return out
 
     def skip_norm(self, name: str, x: str, skip: str, norm) -> tuple[str, str]:
         """(RMSNorm(x + skip), x + skip)."""
         normed, _, _, total = self.node(
-            "SkipSimplifiedLayerNormalization", [x, skip, self.weight(name, _array(norm.weight))],
+            "SkipSimplifiedLayerNormalization", [x, skip, self.weight(name, norm.weight)],
             outputs=4, domain=_MS, epsilon=float(self.eps),
         )
         return normed, total
@@ -137,14 +147,14 @@ class _Builder:
         (total_len,) = self.node("Cast", [total_len64], to=TensorProto.INT32)
         cos, sin = self.rotary_caches(head_dim)
 
-        (x,) = self.node("Gather", [self.weight("embed", _array(inner.embed_tokens.weight)),
-                                    "input_ids"])
+        embed = self.weight("embed", inner.embed_tokens.weight)
+        (x,) = self.node("Gather", [embed, "input_ids"])
         residual = None
         for i, layer in enumerate(inner.layers):
             if residual is None:
                 (normed,) = self.node(
                     "SimplifiedLayerNormalization",
-                    [x, self.weight(f"l{i}.in_norm", _array(layer.input_layernorm.weight))],
+                    [x, self.weight(f"l{i}.in_norm", layer.input_layernorm.weight)],
                     axis=-1, epsilon=float(self.eps),
                 )
                 residual = x
@@ -159,8 +169,7 @@ class _Builder:
                                               layer.post_attention_layernorm)
             x = self.mlp(i, normed, layer.mlp)
         normed, _ = self.skip_norm("final_norm", x, residual, inner.norm)
-        self.node("MatMul", [normed, self.weight("lm_head", _array(self.model.lm_head.weight).T)],
-                  outputs=["logits"])
+        self.lm_head(normed, embed)
 
         inputs = [
             helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "sequence_length"]),
@@ -175,7 +184,20 @@ class _Builder:
                     [1, kv_heads, "past_length", head_dim]))
                 outputs.append(helper.make_tensor_value_info(
                     f"present.{i}.{kind}", TensorProto.FLOAT, [1, kv_heads, "present_length", head_dim]))
-        return helper.make_graph(self.nodes, "edgespec_fused_decoder", inputs, outputs, self.weights)
+        return helper.make_graph(self.nodes, "edgespec_fused_decoder", inputs, outputs,
+                                 self.store.initializers)
+
+    def lm_head(self, normed: str, embed: str) -> None:
+        """logits = normed @ W^T; a tied W is the embedding table, read transposed by Gemm."""
+        hidden, vocab = self.config.hidden_size, self.config.vocab_size
+        if not self.tie:
+            head = self.model.get_output_embeddings().weight.detach().T  # [hidden, V]
+            self.node("MatMul", [normed, self.weight("lm_head", head)], outputs=["logits"])
+            return
+        (rows,) = self.node("Reshape", [normed, self.weight("rows", np.array([-1, hidden]))])
+        (flat,) = self.node("Gemm", [rows, embed], transB=1)  # [n, V]
+        self.node("Reshape", [flat, self.weight("logits_shape", np.array([1, -1, vocab]))],
+                  outputs=["logits"])
 
     def attention(self, i: int, qkv: str, seqlens_k: str, total_len: str, cos: str,
                   sin: str) -> str:
@@ -214,9 +236,5 @@ class _Builder:
         with torch.no_grad():
             cos, sin = self.model.model.rotary_emb(dummy, positions)  # [1, P, head_dim]
         half = head_dim // 2
-        return (self.weight("cos_cache", _array(cos[0, :, :half])),
-                self.weight("sin_cache", _array(sin[0, :, :half])))
-
-
-def _array(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().float().numpy()
+        return (self.weight("cos_cache", cos[0, :, :half].float()),
+                self.weight("sin_cache", sin[0, :, :half].float()))

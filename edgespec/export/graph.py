@@ -9,7 +9,6 @@ from contextlib import contextmanager
 import warnings
 from pathlib import Path
 
-import onnxruntime as ort
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -17,12 +16,16 @@ from edgespec.errors import ExportError
 from edgespec.manifest import ModelSpec
 
 TASK = "text-generation-with-past"
-_ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16"}
+_ONNX_DTYPES = {1: "float32", 10: "float16"}  # TensorProto.FLOAT, FLOAT16
 
 
 def load_model(path: Path) -> PreTrainedModel:
-    """The checkpoint in float32 (fp16/bf16 weights are upcast: the CPU graph runs in fp32)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    """The checkpoint in its own dtype (bf16 stays bf16: half the memory of an fp32 upcast).
+
+    The graphs compute in float32 all the same: the fused builder stores the weights as they
+    are behind a Cast, optimum's export upcasts the model first.
+    """
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
     return model.eval()
 
 
@@ -43,28 +46,33 @@ def export_graph(model: PreTrainedModel, folder: Path) -> None:
     shutil.rmtree(scratch)
 
 
-def describe_graph(folder: Path, root: Path, model: PreTrainedModel) -> ModelSpec:
-    """Read KV names and shapes from the exported graph itself, not from the config."""
+def describe_graph(folder: Path, root: Path, architecture: str, parameters: int) -> ModelSpec:
+    """Read KV names and shapes from the exported graph itself, not from the config.
+
+    Reads the graph's declared inputs and outputs only: the weights are not loaded.
+    """
+    import onnx
+
     path = folder / "model.onnx"
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    inputs = {i.name: i for i in session.get_inputs()}
-    outputs = {o.name: o for o in session.get_outputs()}
+    graph = onnx.load(str(path), load_external_data=False).graph
+    inputs = {i.name: i.type.tensor_type for i in graph.input}
+    outputs = {o.name: o.type.tensor_type for o in graph.output}
     kv_inputs = [n for n in inputs if n.startswith("past_key_values.")]
     kv_outputs = [n for n in outputs if n.startswith("present.")]
     if not kv_inputs or len(kv_inputs) != len(kv_outputs):
         raise ExportError(f"{path.name}: the graph has no KV-cache inputs/outputs to pair")
-    _, kv_heads, _, head_dim = inputs[kv_inputs[0]].shape
+    _, kv_heads, _, head_dim = (d.dim_value for d in inputs[kv_inputs[0]].shape.dim)
     return ModelSpec(
         path=str(path.relative_to(root)),
-        architecture=model.config.model_type,
+        architecture=architecture,
         layers=len(kv_inputs) // 2,
         kv_heads=int(kv_heads),
         head_dim=int(head_dim),
-        vocab_size=int(outputs["logits"].shape[-1]),
+        vocab_size=int(outputs["logits"].shape.dim[-1].dim_value),
         kv_inputs=kv_inputs,
         kv_outputs=kv_outputs,
-        dtype=_ORT_DTYPES[outputs["logits"].type],
-        parameters=sum(p.numel() for p in model.parameters()),
+        dtype=_ONNX_DTYPES[outputs["logits"].elem_type],
+        parameters=parameters,
     )
 
 

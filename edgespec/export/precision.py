@@ -1,4 +1,4 @@
-"""Smaller or faster graphs after export: fp16 compute, int8/int4 weights, exact fp16 storage.
+"""Smaller or faster graphs after export: fp16 compute, int8/int4 weights, exact bf16/fp16 storage.
 
 Every variant is validated against PyTorch afterwards (``validate.py``) with the tolerance of
 its kind, and the measured deviation goes into the manifest.
@@ -25,35 +25,55 @@ QUANT_BLOCK_SIZE = 32
 _MIN_WEIGHT_SIZE = 1024  # smaller constants are not worth a Cast node
 
 
-def store_exact_fp16(folder: Path) -> int:
-    """Store float32 weights that are exactly float16 values as float16, with a Cast back.
+def store_exact_halves(folder: Path) -> dict[str, int]:
+    """Store float32 weights that are exactly bf16 or fp16 values in that type, with a Cast back.
 
-    Lossless: only weights whose every value survives the round trip are converted, and
-    onnxruntime folds each Cast into a float32 weight when the session loads, so the graph
-    computes exactly as before. Checkpoints saved in fp16 halve their package size this way.
-    Returns the number of weights converted.
+    For graphs written by optimum, which upcasts every weight: lossless, since only weights
+    whose every value survives the round trip are converted, and onnxruntime folds each Cast
+    into a float32 weight when the session loads, so the graph computes exactly as before.
+    A checkpoint saved in bf16 or fp16 gets back to its own size this way. Returns the number
+    of float weights per stored type.
     """
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import TensorProto, helper, numpy_helper
 
     model = _load(folder)
+    counts = {"float": 0, "bfloat16": 0, "float16": 0}
     casts = []
     for init in model.graph.initializer:
-        if init.data_type != onnx.TensorProto.FLOAT or _size(init) < _MIN_WEIGHT_SIZE:
+        if init.data_type != TensorProto.FLOAT:
             continue
         weights = numpy_helper.to_array(init)
-        half = weights.astype(np.float16)
-        if not np.array_equal(half.astype(np.float32), weights, equal_nan=True):
+        half = _exact_half(weights) if weights.size >= _MIN_WEIGHT_SIZE else None
+        if half is None:
+            counts["float"] += 1
             continue
+        raw, data_type, tag = half
         name = init.name
-        init.CopyFrom(numpy_helper.from_array(half, f"{name}.fp16"))
-        casts.append(helper.make_node("Cast", [f"{name}.fp16"], [name], to=onnx.TensorProto.FLOAT))
+        stored = TensorProto(name=f"{name}.{tag}", data_type=data_type, dims=init.dims,
+                             raw_data=raw)
+        init.CopyFrom(stored)
+        counts[TensorProto.DataType.Name(data_type).lower()] += 1
+        casts.append(helper.make_node("Cast", [stored.name], [name], to=TensorProto.FLOAT))
     if casts:
         nodes = [*casts, *model.graph.node]
         del model.graph.node[:]
         model.graph.node.extend(nodes)
         _save(model, folder)
-    return len(casts)
+    return {k: v for k, v in counts.items() if v}
+
+
+def _exact_half(weights: np.ndarray) -> tuple[bytes, int, str] | None:
+    """(bytes, type, tag) of the weights as fp16 or bf16 if either holds them exactly."""
+    from onnx import TensorProto
+
+    half = weights.astype(np.float16)
+    if np.array_equal(half.astype(np.float32), weights, equal_nan=True):
+        return half.tobytes(), TensorProto.FLOAT16, "fp16"
+    bits = np.ascontiguousarray(weights).view(np.uint32)
+    if not (bits & 0xFFFF).any():  # the low half of every float32 is zero: exact bf16
+        return (bits >> 16).astype(np.uint16).tobytes(), TensorProto.BFLOAT16, "bf16"
+    return None
 
 
 def convert_fp16(folder: Path) -> None:
@@ -64,13 +84,19 @@ def convert_fp16(folder: Path) -> None:
 
 
 def quantize_weights(folder: Path, bits: int) -> None:
-    """Block-wise symmetric weight-only quantization of every MatMul (MatMulNBits)."""
+    """Block-wise symmetric weight-only quantization of every MatMul and the embedding table.
+
+    MatMuls become MatMulNBits, the embedding Gather becomes GatherBlockQuantized (blocks along
+    the hidden axis): an int4 package holds no full-precision copy of the vocabulary.
+    """
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     quantizer = MatMulNBitsQuantizer(
-        _load(folder), bits=bits, block_size=QUANT_BLOCK_SIZE, is_symmetric=True
+        _load(folder), bits=bits, block_size=QUANT_BLOCK_SIZE, is_symmetric=True,
+        op_types_to_quantize=("MatMul", "Gather"),  # the embedding table too
     )
-    quantizer.process()
+    with np.errstate(divide="ignore", invalid="ignore"):  # all-zero blocks: scale 0, handled
+        quantizer.process()
     _save(quantizer.model.model, folder)
 
 

@@ -1,7 +1,24 @@
-"""Exported graph vs PyTorch: the same logits, with and without the KV cache.
+"""Exported graph vs PyTorch: the same logits (or, for lossy variants, the same distributions),
+with and without the KV cache.
 
 The graph is run through the runtime's own ``ModelSession``, so validation also covers the
-feeds the runtime builds (position ids, attention mask, cache layout).
+feeds the runtime builds (position ids, attention mask, cache layout). PyTorch's logits are
+computed first (``reference_logits``) so that the model can be freed before onnxruntime loads
+the graph: a 1.5B model then never sits in memory twice.
+
+Two gates:
+- **fp32** graphs must reproduce PyTorch's logits: max |difference| / max(1, max |logit|) within
+  ``FP32_TOLERANCE``.
+- **Lossy variants** (fp16, int8, int4) change the logits on purpose, and a maximum over
+  positions x vocabulary rows says little (it grows with the vocabulary). They are judged by what
+  speculative decoding and users see: the total variation distance between PyTorch's and the
+  graph's next-token distributions (1 - TV is the acceptance rate the variant would get as a
+  draft of the exact model), averaged over the validation positions, and the top-1 agreement on
+  positions where PyTorch's choice is clear (a margin of ``CLEAR_MARGIN`` in probability; on
+  near-flat distributions, as random weights give, the top-1 token is a coin toss).
+Whatever the precision, the graph's cached and uncached runs must agree within ``CONSISTENCY``:
+speculative decoding's exactness rests on a token's logits not depending on how many tokens
+share its run.
 """
 
 from __future__ import annotations
@@ -9,77 +26,117 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
-from transformers import PreTrainedModel
 
 from edgespec.manifest import ModelSpec
 from edgespec.runtime.providers import SessionConfig
 from edgespec.runtime.session import ModelSession
 
-# Tolerance on max |ORT logits - PyTorch logits|, as a fraction of the largest |logit| (at
-# least 1). Measured on the demo target (largest logit 11.3): fp32 1e-6 of it, fp16 6e-4,
-# int8 2.7e-3, int4 5.1e-2; each tolerance leaves room for models that round worse.
-TOLERANCES = {"fp32": 1e-3, "fp16": 1e-2, "int8": 2e-2, "int4": 2e-1}
-# Cached vs uncached runs of the same graph: the runtime's exactness rests on a token's logits
-# not depending on how many tokens share its run.
-CONSISTENCY = 1e-3
+VALIDATIONS = ("strict", "report", "skip")
+FP32_TOLERANCE = 1e-3  # measured on the demo target: 1e-6 of its largest logit
+# Lossy variants: (largest mean total variation, smallest top-1 agreement on clear positions).
+# Measured on the demo target (trained weights): fp16 TV 0.0005, int8 0.004, int4 0.04.
+LOSSY_GATES = {"fp16": (0.01, 0.98), "int8": (0.03, 0.95), "int4": (0.15, 0.85)}
+CLEAR_MARGIN = 0.1
+CONSISTENCY = 1e-3  # cached vs uncached, as a fraction of the largest |logit|
+
+
+def validation_ids(vocab_size: int, length: int, seed: int = 0) -> np.ndarray:
+    """The token sequence every graph is checked on: random ids, the same for every variant."""
+    return np.random.default_rng(seed).integers(0, vocab_size, size=length)
+
+
+def reference_logits(model, ids: np.ndarray) -> np.ndarray:
+    """PyTorch's float32 logits ``[n, V]`` for ``ids`` (upcasts the model in place)."""
+    import torch
+
+    model.float()
+    with torch.no_grad():
+        return model(torch.from_numpy(ids)[None]).logits[0].float().numpy()
 
 
 def validate_graph(
-    model: PreTrainedModel,
+    expected: np.ndarray,
+    ids: np.ndarray,
     root: Path,
     spec: ModelSpec,
     max_positions: int,
     variant: str = "fp32",
-    length: int = 24,
-    seed: int = 0,
 ) -> tuple[dict, list[str]]:
-    """Compare logits on a random sequence; returns (measured deviations, failures).
+    """Compare the graph with PyTorch's ``expected`` logits; returns (figures, failures).
 
-    Three ways through the graph must agree with one uncached PyTorch forward pass, within the
-    variant's tolerance: the whole sequence with an empty cache; a prefix, then the rest with
-    the prefix cached; and the last tokens fed one at a time. The three must also agree with
-    each other within CONSISTENCY, whatever the variant.
+    Three ways through the graph: the whole sequence with an empty cache; a prefix, then the
+    rest with the prefix cached; the last tokens fed one at a time.
     """
-    ids = np.random.default_rng(seed).integers(0, spec.vocab_size, size=length)
-    with torch.no_grad():
-        expected = model(torch.from_numpy(ids)[None]).logits[0].float().numpy()  # [n, V]
     scale = max(1.0, float(np.abs(expected).max()))
-
     session = ModelSession(root / spec.path, spec, spec.vocab_size, max_positions,
                            SessionConfig("cpu"))
-    split = length // 2
+    split = len(ids) // 2
     measured = {
         "no_cache": _run(session, [ids]),
         "prefix_then_rest": _run(session, [ids[:split], ids[split:]]),
         "one_token_steps": _run(session, [ids[:split], *ids[split:, None]]),
     }
-    tolerance = TOLERANCES[variant] * scale
-    deviations = {"variant": variant, "tolerance": tolerance, "logit_scale": scale}
+    figures: dict = {"variant": variant, "logit_scale": scale, "positions": len(ids)}
     failures = []
     for name, logits in measured.items():
-        diff = float(np.abs(logits - expected).max())
-        deviations[f"max_abs_diff_{name}"] = diff
-        if not diff <= tolerance:
+        figures[f"max_abs_diff_{name}"] = float(np.abs(logits - expected).max())
+    figures |= distribution_figures(expected, measured["no_cache"])
+    if variant == "fp32":
+        tolerance = FP32_TOLERANCE * scale
+        figures["tolerance"] = tolerance
+        for name in measured:
+            diff = figures[f"max_abs_diff_{name}"]
+            if not diff <= tolerance:
+                failures.append(f"{spec.path}: {name} logits differ from PyTorch by {diff:.2e} "
+                                f"(tolerance {tolerance:.1e} for fp32)")
+    else:
+        max_tv, min_top1 = LOSSY_GATES[variant]
+        figures |= {"max_mean_tv": max_tv, "min_clear_top1": min_top1}
+        if not figures["mean_tv"] <= max_tv:
             failures.append(
-                f"{spec.path}: {name} logits differ from PyTorch by {diff:.2e} "
-                f"(tolerance {tolerance:.1e} for {variant})"
-            )
-    deviations["top1_agreement"] = float(
-        (measured["no_cache"].argmax(-1) == expected.argmax(-1)).mean()
-    )
+                f"{spec.path}: {variant} next-token distributions differ from PyTorch's by a "
+                f"mean total variation of {figures['mean_tv']:.3f} (at most {max_tv} allowed)")
+        clear = figures["clear_top1_agreement"]
+        if clear is not None and not clear >= min_top1:
+            failures.append(
+                f"{spec.path}: {variant} agrees with PyTorch's clear top-1 token on "
+                f"{clear:.0%} of {figures['clear_positions']} positions (at least "
+                f"{min_top1:.0%} required)")
     consistency = max(
         float(np.abs(measured[name] - measured["no_cache"]).max())
         for name in ("prefix_then_rest", "one_token_steps")
     )
-    deviations["max_abs_diff_cached_vs_uncached"] = consistency
+    figures["max_abs_diff_cached_vs_uncached"] = consistency
     if not consistency <= CONSISTENCY * scale:
         failures.append(
             f"{spec.path}: cached and uncached runs of the graph differ by {consistency:.2e} "
             f"(tolerance {CONSISTENCY * scale:.1e}); speculative output would not match "
             "target-only output"
         )
-    return deviations, failures
+    return figures, failures
+
+
+def distribution_figures(expected: np.ndarray, logits: np.ndarray) -> dict:
+    """Mean and max total variation, top-1 agreement overall and on clear positions."""
+    p, q = _softmax(expected), _softmax(logits)
+    tv = 0.5 * np.abs(p - q).sum(axis=-1)  # [n]
+    top2 = np.sort(p, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] >= CLEAR_MARGIN
+    agree = p.argmax(-1) == q.argmax(-1)
+    return {
+        "mean_tv": float(tv.mean()),
+        "max_tv": float(tv.max()),
+        "top1_agreement": float(agree.mean()),
+        "clear_positions": int(clear.sum()),
+        "clear_top1_agreement": float(agree[clear].mean()) if clear.any() else None,
+    }
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    return x / x.sum(axis=-1, keepdims=True)
 
 
 def _run(session: ModelSession, chunks: list[np.ndarray]) -> np.ndarray:
