@@ -100,21 +100,27 @@ def main() -> None:
               help="Hugging Face folder of the small model that proposes tokens.")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Package folder to create.")
-@click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace --out if it is an edgespec package holding nothing else.")
 @click.option("--graph", type=click.Choice(["auto", "optimum", "fused"]), default="auto",
               show_default=True,
               help="fused: edgespec's Llama-family graph with fused operators; optimum: any model.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
               help="fp16 computes in half precision (for GPUs).")
 @click.option("--quantize", type=click.Choice(["int8", "int4"]),
-              help="Block-wise weight-only quantization of the MatMul weights.")
+              help="Block-wise weight-only quantization of the weights (embedding included).")
+@click.option("--validate", "validation", type=click.Choice(["strict", "report", "skip"]),
+              default="strict", show_default=True,
+              help="strict: a graph that fails validation stops the export; report: write the "
+                   "package anyway and record the figures; skip: no validation.")
 @_user_errors
 def export(target: Path, draft: Path, out: Path, overwrite: bool, graph: str, dtype: str,
-           quantize: str | None) -> None:
+           quantize: str | None, validation: str) -> None:
     """Export a target/draft pair to one ONNX package (needs edgespec[export])."""
     exporter = _needs_export_extra("edgespec.export")
     manifest = exporter.export_pair(target, draft, out, overwrite, dtype, quantize, graph,
-                                    progress=lambda line: click.echo(line, err=True))
+                                    progress=lambda line: click.echo(line, err=True),
+                                    validation=validation)
     click.echo(
         f"wrote {out}: target {manifest.target.parameters / 1e6:.1f}M and draft "
         f"{manifest.draft.parameters / 1e6:.1f}M parameters, vocabulary {manifest.vocab_size}, "
