@@ -40,7 +40,7 @@ from edgespec.manifest import Manifest, ModelSpec
 
 Progress = Callable[[str], None]
 GRAPHS = ("auto", "optimum", "fused")
-VALIDATION_LENGTH = 24  # tokens compared against PyTorch
+VALIDATION_LENGTH = 32  # tokens compared against PyTorch
 
 
 def export_pair(
@@ -119,7 +119,8 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
         stored = {}
     about = {"architecture": model.config.model_type,
              "parameters": sum(p.numel() for p in model.parameters())}
-    ids = validation_ids(ckpt.vocab_size, min(VALIDATION_LENGTH, ckpt.max_positions))
+    ids = validation_ids(ckpt.tokenizer, ckpt.vocab_size,
+                         min(VALIDATION_LENGTH, ckpt.max_positions))
     if validation != "skip":
         report.detail("computing PyTorch's reference logits")
         expected = reference_logits(model, ids)
