@@ -37,7 +37,7 @@ _MS = "com.microsoft"
 _OPSET = 17
 
 
-def can_fuse(model: PreTrainedModel) -> str | None:
+def why_not_fused(model: PreTrainedModel) -> str | None:
     """None if the builder handles this model, else the reason it does not."""
     config = model.config
     if config.model_type not in SUPPORTED:
@@ -66,14 +66,18 @@ def build_fused_graph(model: PreTrainedModel, folder: Path, keep_precision: bool
     build needs little memory beyond the model itself. Returns the number of weights per stored
     type.
     """
-    reason = can_fuse(model)
+    reason = why_not_fused(model)
     if reason:
         raise ExportError(f"cannot build a fused graph: {reason}; use --graph optimum")
     folder.mkdir(parents=True)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    with WeightStore(folder, external=weight_bytes > EXTERNAL_ABOVE,
+    tie = keep_precision and _tied(model)
+    stored_bytes = sum(p.numel() * (p.element_size() if keep_precision else 4)
+                       for p in model.parameters())
+    if _tied(model) and not tie:  # the output layer gets its own copy of the table
+        stored_bytes += model.get_input_embeddings().weight.numel() * 4
+    with WeightStore(folder, external=stored_bytes > EXTERNAL_ABOVE,
                      keep_precision=keep_precision) as store:
-        graph = _Builder(model, store, tie=keep_precision and _tied(model)).build()
+        graph = _Builder(model, store, tie=tie).build()
     write_graph(graph, folder, [("", _OPSET), (_MS, 1)])
     return store.counts
 

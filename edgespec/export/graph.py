@@ -35,7 +35,7 @@ def export_graph(model: PreTrainedModel, folder: Path) -> None:
 
     scratch = folder.with_name(folder.name + ".optimum")
     try:
-        with _quiet():
+        with quiet():
             onnx_export_from_model(model, scratch, task=TASK, do_validation=False)
     except Exception as e:  # optimum raises many types; the user needs the message
         shutil.rmtree(scratch, ignore_errors=True)
@@ -77,10 +77,14 @@ def describe_graph(folder: Path, root: Path, architecture: str, parameters: int)
 
 
 @contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence the tracer warnings and info logs that torch.onnx and optimum print on export."""
-    loggers = [logging.getLogger(name) for name in ("optimum", "transformers", "torch.onnx")]
+def quiet(*names: str) -> Iterator[None]:
+    """Silence warnings and the named loggers' info logs (torch.onnx, optimum, onnxruntime's
+    quantizer print pages of them), and undo any logging set-up done on import in the block."""
+    names = names or ("optimum", "transformers", "torch.onnx")
+    loggers = [logging.getLogger(name) for name in names]
     levels = [logger.level for logger in loggers]
+    root = logging.getLogger()
+    root_state = root.level, list(root.handlers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for logger in loggers:
@@ -90,3 +94,5 @@ def _quiet() -> Iterator[None]:
         finally:
             for logger, level in zip(loggers, levels):
                 logger.setLevel(level)
+            root.setLevel(root_state[0])
+            root.handlers[:] = root_state[1]

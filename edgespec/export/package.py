@@ -19,7 +19,7 @@ from pathlib import Path
 import edgespec
 from edgespec.errors import ExportError
 from edgespec.export.destination import atomic_folder, check_destination
-from edgespec.export.fused import build_fused_graph, can_fuse
+from edgespec.export.fused import build_fused_graph, why_not_fused
 from edgespec.export.graph import describe_graph, export_graph, load_model
 from edgespec.export.onnx_io import pin_ir_version
 from edgespec.export.precision import (
@@ -105,7 +105,7 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
     """
     folder = root / role
     model = load_model(ckpt.path)
-    reason = can_fuse(model)
+    reason = why_not_fused(model)
     if graph == "auto":
         graph = "optimum" if reason else "fused"
         if reason:

@@ -89,13 +89,17 @@ def quantize_weights(folder: Path, bits: int) -> None:
     MatMuls become MatMulNBits, the embedding Gather becomes GatherBlockQuantized (blocks along
     the hidden axis): an int4 package holds no full-precision copy of the vocabulary.
     """
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    from edgespec.export.graph import quiet
+
+    log = "onnxruntime.quantization.matmul_nbits_quantizer"
+    with quiet(log):  # it logs every node at INFO, and configures the root logger on import
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     quantizer = MatMulNBitsQuantizer(
         _load(folder), bits=bits, block_size=QUANT_BLOCK_SIZE, is_symmetric=True,
         op_types_to_quantize=("MatMul", "Gather"),  # the embedding table too
     )
-    with np.errstate(divide="ignore", invalid="ignore"):  # all-zero blocks: scale 0, handled
+    with quiet(log), np.errstate(divide="ignore", invalid="ignore"):  # all-zero blocks: scale 0
         quantizer.process()
     _save(quantizer.model.model, folder)
 
