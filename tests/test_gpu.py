@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import onnxruntime as ort
 import pytest
 
@@ -33,6 +34,18 @@ def test_the_in_place_cache_stays_on_the_device(cuda_pipe):
     cache = cuda_pipe.target.new_cache()
     assert cuda_pipe.target.in_place
     assert all(buffer.device_name() == "cuda" for buffer in cache.buffers)
+
+
+def test_a_cache_that_grows_stays_on_the_device_with_the_same_logits(cuda_pipe):
+    """Growth copies the covered prefix through the host (kv_cache.py) into new device buffers."""
+    session = cuda_pipe.target
+    ids = np.random.default_rng(0).integers(0, session.vocab_size, size=40)
+    small, whole = session.new_cache(2), session.new_cache(session.max_positions)
+    for chunk in (ids[:3], ids[3:4], ids[4:20], ids[20:]):
+        np.testing.assert_allclose(session.forward(chunk, small), session.forward(chunk, whole),
+                                   atol=1e-4)
+    assert small.capacity == 40 and whole.capacity == session.max_positions
+    assert all(buffer.device_name() == "cuda" for buffer in small.buffers)
 
 
 def test_draft_on_cpu_next_to_a_gpu_target(packages):

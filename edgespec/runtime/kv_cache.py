@@ -49,33 +49,68 @@ class KVCache:
 
 
 class InPlaceKVCache:
-    """Preallocated per-layer buffers ``[1, kv_heads, max_positions, head_dim]``, updated in place.
+    """Per-layer buffers ``[1, kv_heads, capacity, head_dim]``, updated in place, grown on demand.
 
     For graphs whose attention writes new keys and values into the buffer it reads the past
     from (GroupQueryAttention, in fused graphs): the session binds each buffer as both past
     input and present output, so a run copies nothing, and a rollback only changes ``length``:
     positions past it are ignored by attention and overwritten by the next run. On a GPU the
     buffers live in device memory and never travel to the host.
+
+    The buffers start at ``capacity`` positions, what the request needs (prompt, new tokens and
+    one round's drafts), not the model's whole context: a 32,768-position Qwen2.5 would
+    otherwise hold 0.8-1.9 GB per model whatever it generates. A run that would pass the end
+    grows them (``reserve``) to twice the size, or what the run needs if more, never past
+    ``limit`` (the manifest's ``max_positions``), which stays the hard limit.
     """
 
-    def __init__(self, names: list[str], kv_heads: int, head_dim: int, max_positions: int,
-                 dtype: np.dtype, device: str):
+    def __init__(self, names: list[str], kv_heads: int, head_dim: int, capacity: int,
+                 limit: int, dtype: np.dtype, device: str):
         from onnxruntime import OrtValue
 
-        self.names = names
-        self.capacity = max_positions
-        shape = [1, kv_heads, max_positions, head_dim]
+        if not 0 < capacity <= limit:
+            raise ValueError(f"KV cache capacity must be in 1..{limit} positions, got {capacity}")
+        self.names, self.limit = names, limit
+        self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
+        self.capacity = capacity
+        shape = [1, kv_heads, capacity, head_dim]
         self.buffers = [OrtValue.ortvalue_from_shape_and_type(shape, dtype, device) for _ in names]
+        self.binding = None  # the session's IO binding for these buffers (session.py), reused
         self._length = 0
 
     @property
     def length(self) -> int:
         return self._length
 
-    def check_room(self, added: int) -> None:
-        """Refuse a run that would write past the end of the buffers."""
-        if self._length + added > self.capacity:
-            raise ValueError(f"KV cache full: {self._length} + {added} > {self.capacity} positions")
+    def reserve(self, added: int) -> None:
+        """Make room for ``added`` more positions, growing the buffers if needed.
+
+        Refuses a run that would pass ``limit``. Growth replaces ``buffers`` (a new list), so
+        whoever bound the old ones must bind them again.
+        """
+        needed = self._length + added
+        if needed > self.limit:
+            raise ValueError(f"KV cache full: {self._length} + {added} > {self.limit} positions")
+        if needed > self.capacity:
+            self._grow(min(self.limit, max(needed, 2 * self.capacity)))
+
+    def _grow(self, capacity: int) -> None:
+        """New buffers of ``capacity`` positions holding the covered prefix of the old ones.
+
+        Goes through host memory: ``numpy()`` of a CPU OrtValue is a view, of a CUDA one a copy
+        to the host, and ``ortvalue_from_numpy`` copies to the device. A device-to-device copy
+        would spare the round trip on a GPU; growth is rare (doubling) so it is not worth a
+        provider-specific path yet.
+        """
+        from onnxruntime import OrtValue
+
+        shape = (1, self.kv_heads, capacity, self.head_dim)
+        grown = []
+        for old in self.buffers:
+            host = np.empty(shape, dtype=self.dtype)
+            host[:, :, : self._length] = old.numpy()[:, :, : self._length]
+            grown.append(OrtValue.ortvalue_from_numpy(host, self.device, 0))
+        self.buffers, self.capacity = grown, capacity
 
     def advance(self, added: int) -> None:
         """Record that a run wrote ``added`` more positions into the buffers."""

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
 
 import onnxruntime as ort
 
@@ -14,6 +17,25 @@ PROVIDER_NAMES = {
 }
 PROVIDERS = ("auto", *PROVIDER_NAMES)
 _FALLBACKS = {"tensorrt": ["tensorrt", "cuda", "cpu"], "cuda": ["cuda", "cpu"], "cpu": ["cpu"]}
+# Distributions that all install the one `onnxruntime` module: with two of them installed, the
+# last one written overwrote the other's files (pip install "edgespec[gpu]" brings the CPU
+# build, a dependency, beside the GPU one, and the CPU build usually wins).
+_BUILDS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino",
+           "onnxruntime-qnn", "onnxruntime-rocm", "onnxruntime-migraphx", "onnxruntime-training")
+
+
+def installed_builds() -> tuple[str, ...]:
+    """The onnxruntime distributions installed, as ``name version``."""
+    found = []
+    for name in _BUILDS:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return tuple(found)
+
+
+INSTALLED_BUILDS = installed_builds()  # read once, when edgespec.runtime is imported
 
 
 @dataclass(frozen=True)
@@ -62,31 +84,77 @@ def default_session_configs(
 def provider_chain(config: SessionConfig) -> tuple[list, str | None]:
     """The providers to ask onnxruntime for, in order, and a warning if the request can't be met."""
     available = ort.get_available_providers()
-    warning = None
+    missing = None
     if config.provider == "auto":
         wanted = next(p for p in ("tensorrt", "cuda", "cpu") if PROVIDER_NAMES[p] in available)
     elif PROVIDER_NAMES[config.provider] in available:
         wanted = config.provider
     else:
-        wanted = "cpu"
-        warning = (
-            f"provider {config.provider!r} is not in this onnxruntime (it has "
-            f"{', '.join(available)}); running on CPU. For GPUs: pip uninstall onnxruntime "
-            "&& pip install 'edgespec[gpu]'"
-        )
+        wanted, missing = "cpu", config.provider
+    warning = None
+    if config.provider != "cpu":
+        warning = install_warning(INSTALLED_BUILDS, available, missing)
     chain = [_with_options(p, config) for p in _FALLBACKS[wanted] if PROVIDER_NAMES[p] in available]
     return chain, warning
 
 
+def install_warning(
+    builds: tuple[str, ...], available: list[str], missing: str | None
+) -> str | None:
+    """One line when the install cannot give a GPU run: two onnxruntime builds installed (the
+    module is whichever was written last), or a provider this build lacks; and how to fix it."""
+    has = f"it has {', '.join(available)}"
+    lacks = f"provider {missing!r} is not in this onnxruntime ({has}); running on CPU"
+    if len(builds) > 1:
+        names = [b.split()[0] for b in builds]
+        keep = next(n for n in names if n != "onnxruntime")
+        problem = f"{' and '.join(builds)} are both installed, sharing one onnxruntime module"
+        return (f"{problem}; {lacks if missing else has}. Keep only {keep}: "
+                f"pip uninstall -y {' '.join(names)} && pip install {keep}")
+    if missing:
+        return f"{lacks}. For GPUs: pip uninstall -y onnxruntime && pip install onnxruntime-gpu"
+    return None
+
+
 def fallback_warning(chain: list, loaded: list[str]) -> str | None:
-    """Say so when onnxruntime could not start the provider asked for and fell back."""
-    first = chain[0][0] if isinstance(chain[0], tuple) else chain[0]
-    if first in loaded:
+    """One line naming each provider asked for that onnxruntime could not start, and why."""
+    asked = [p[0] if isinstance(p, tuple) else p for p in chain]
+    ran = asked.index(loaded[0]) if loaded[0] in asked else len(asked)
+    failed = [p for p in asked[:ran] if p not in loaded]
+    if not failed:
         return None
-    return (
-        f"{first} could not start (for CUDA: are the CUDA and cuDNN libraries installed and "
-        f"on the library path?); running on {loaded[0]}"
-    )
+    reasons = ", ".join(f"{p} could not start ({start_failure(p)})" for p in failed)
+    return f"{reasons}; running on {loaded[0]}"
+
+
+def start_failure(provider: str) -> str:
+    """Why a provider that onnxruntime lists could not start, as far as can be known.
+
+    onnxruntime loads each GPU provider from a library of its own and logs why that failed
+    (its log is silenced, session.py); loading the library again here names the first system
+    library it lacks (CUDA, cuDNN, TensorRT). If it loads, the device or its driver failed.
+    """
+    short = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "tensorrt"}.get(provider)
+    if short is None:
+        return "onnxruntime gave no reason"
+    name = f"onnxruntime_providers_{short}"
+    name = f"{name}.dll" if os.name == "nt" else f"lib{name}.so"
+    return (library_failure(Path(ort.__file__).parent / "capi" / name)
+            or "its libraries load: no GPU, or a driver too old for this onnxruntime?")
+
+
+def library_failure(path: Path) -> str | None:
+    """Why the shared library at ``path`` does not load (the first library it lacks), or None."""
+    if not path.is_file():
+        return f"{path.name} is missing from this onnxruntime"
+    try:
+        ctypes.CDLL(str(path))
+    except OSError as e:
+        message = str(e)
+        if "cannot open shared object file" in message:  # "libcudnn.so.9: cannot open ..."
+            return f"{Path(message.split(':')[0]).name} not found"
+        return message
+    return None
 
 
 def _with_options(provider: str, config: SessionConfig):

@@ -29,8 +29,9 @@ class Decoder:
     cache: KVCache | InPlaceKVCache
 
     @classmethod
-    def start(cls, session: ModelSession) -> "Decoder":
-        return cls(session, session.new_cache())
+    def start(cls, session: ModelSession, positions: int | None = None) -> "Decoder":
+        """An empty cache with room for ``positions`` tokens to start with (it grows if needed)."""
+        return cls(session, session.new_cache(positions))
 
     def run(self, committed: list[int], extra: Sequence[int] = ()) -> np.ndarray:
         """Feed the committed tokens the cache lacks, then ``extra``; logits ``[n, V]``."""
@@ -129,8 +130,12 @@ def decode(
     committed = list(prompt)
     stats.prompt_tokens = len(prompt)
 
+    # Caches sized to this request (every token it may commit, plus one round's drafts), not
+    # to the model's whole context; an in-place cache grows if a schedule drafts further.
+    positions = len(prompt) + config.max_new_tokens + config.gamma + 1
+    sessions = [target, draft] if speculative else [target]
     # Prefill: every prompt token but the last, so the invariant holds from the first round.
-    decoders = [Decoder.start(s) for s in ([target, draft] if speculative else [target])]
+    decoders = [Decoder.start(s, positions) for s in sessions]
     with _timed(stats, "prefill_s"):
         for decoder in decoders:
             if len(prompt) > 1:

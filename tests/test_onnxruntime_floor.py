@@ -1,0 +1,85 @@
+"""The oldest onnxruntime pyproject.toml accepts runs the packages exactly as the current one.
+
+A fresh virtual environment gets that release from the package index (with numpy, tokenizers
+and click) and edgespec itself without dependencies, then decodes greedily; the token ids must
+equal this environment's. Skipped only when pip cannot reach an index.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edgespec.models import demo_package
+
+REPO = Path(__file__).resolve().parents[1]
+PIP_LIMITS = ["--timeout", "15", "--retries", "1"]  # offline: fail in seconds, not minutes
+NETWORK_ERRORS = ("NewConnectionError", "Failed to establish a new connection",
+                  "Temporary failure in name resolution", "Network is unreachable",
+                  "Max retries exceeded", "ConnectTimeoutError", "ReadTimeoutError")
+
+# Run by both interpreters: greedy ids for each package, speculative and target-only.
+GREEDY_IDS = """
+import json, sys
+import edgespec, onnxruntime
+out = {"onnxruntime": onnxruntime.__version__}
+for path in sys.argv[1:]:
+    pipe = edgespec.load(path, provider="cpu")
+    out[path] = [pipe.generate(p, max_new_tokens=24, **s).token_ids
+                 for p in ("def fibonacci(n):", "The quick brown")
+                 for s in ({"gamma": 4}, {"use_draft": False})]
+print(json.dumps(out))
+"""
+
+
+def greedy_ids(python: Path | str, paths: list[str]) -> dict:
+    proc = subprocess.run([str(python), "-c", GREEDY_IDS, *paths], capture_output=True,
+                          text=True, cwd=REPO / "tests")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def declared_floor() -> str:
+    found = re.search(r'"onnxruntime>=([0-9.]+)"', (REPO / "pyproject.toml").read_text())
+    assert found, "pyproject.toml declares no onnxruntime>= floor"
+    return found.group(1)
+
+
+def pip(python: Path, *args: str) -> None:
+    proc = subprocess.run([str(python), "-m", "pip", *args, *PIP_LIMITS, "--quiet",
+                           "--disable-pip-version-check"], capture_output=True, text=True)
+    if proc.returncode == 0:
+        return
+    if any(e in proc.stdout + proc.stderr for e in NETWORK_ERRORS):
+        pytest.skip(f"pip cannot reach a package index: {proc.stderr.strip().splitlines()[-1]}")
+    pytest.fail(f"pip {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+
+
+@pytest.fixture(scope="module")
+def floor_python(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("floor") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
+    python = folder / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
+    pip(python, "install", f"onnxruntime=={declared_floor()}", "numpy", "tokenizers", "click")
+    pip(python, "install", "--no-deps", "-e", str(REPO))
+    return python
+
+
+@pytest.mark.slow
+def test_the_floor_onnxruntime_gives_the_same_greedy_tokens(floor_python, packages, checkpoints,
+                                                            tmp_path):
+    """The demo package and fresh fused exports (fp32, int4 MatMulNBits) of the tiny pairs."""
+    from edgespec.export import export_pair
+
+    int4 = tmp_path / "int4"
+    export_pair(checkpoints["llama_target"], checkpoints["llama_noisy"], int4, quantize="int4")
+    paths = [str(demo_package()), str(packages["llama"]), str(packages["llama_noisy"]), str(int4)]
+    floor, current = greedy_ids(floor_python, paths), greedy_ids(sys.executable, paths)
+    assert floor.pop("onnxruntime") == declared_floor()
+    current.pop("onnxruntime")
+    assert floor == current
