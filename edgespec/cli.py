@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -53,8 +54,18 @@ def _terminate(signum, frame) -> None:
 
 
 def _exit(message: str, code: int) -> None:
+    """Say why, then leave at once with ``code``: every ``finally`` has already run.
+
+    Not ``sys.exit``: CPython remembers a KeyboardInterrupt raised inside code it ran for a
+    library during start-up, and then ends the process by SIGINT (status -2) instead of 130.
+    """
     click.echo(message, err=True)
-    sys.exit(code)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _user_errors(command):
@@ -79,12 +90,38 @@ def _one_line_warning(message, category, *args, **kwargs) -> None:
 def _needs_export_extra(module: str):
     """Import a module that needs torch/transformers/optimum, or say how to install them."""
     try:
-        return importlib.import_module(module)
+        with _signals_held():
+            import onnx  # noqa: F401  (C extensions: imported here, where signals wait)
+
+            return importlib.import_module(module)
     except ImportError as e:
         raise click.ClickException(
             f"this command needs the export extra ({e.name} is missing): "
             "pip install 'edgespec[export]'"
         ) from None
+
+
+def _runtime():
+    """edgespec.runtime (onnxruntime, NumPy, tokenizers), imported while signals wait."""
+    with _signals_held():
+        import edgespec.runtime
+
+        return edgespec.runtime
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold Ctrl-C and SIGTERM while C extensions import: an import interrupted half-way can
+    crash the interpreter (seen with onnx's). A signal that arrives meanwhile is delivered,
+    and handled as usual, as soon as the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @click.group()
@@ -156,7 +193,8 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float, top
              as_json: bool) -> None:
     """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair)."""
     from edgespec.config import GenerationConfig, SamplingConfig
-    from edgespec.runtime import load
+
+    load = _runtime().load
 
     if len(args) > 2:
         raise click.ClickException(
@@ -227,8 +265,8 @@ def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, 
           prompts_file: Path | None, repeats: int, json_out: Path | None,
           plot_out: Path | None, provider: str) -> None:
     """Speedup of speculative over target-only decoding, measured side by side."""
+    load = _runtime().load
     from edgespec import bench as benchmark
-    from edgespec.runtime import load
 
     try:
         config = benchmark.BenchConfig(_ints(gammas), _floats(temperatures), max_new_tokens,
