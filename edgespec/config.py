@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
+from edgespec.errors import ConfigError
+
 SCHEDULES = ("fixed", "heuristic", "adaptive")  # how the draft length k is chosen each round
+# The most tokens a round may draft. Expected tokens per round, (1 - alpha^(k+1)) / (1 - alpha),
+# approach 1 / (1 - alpha): at alpha = 0.95, k = 64 already gets 96% of the way, so a larger k
+# only adds draft steps wasted at each rejection. It also bounds what k costs up front: the
+# adaptive schedule times target runs on 1..k+1 tokens, and verification holds [k+1, V] rows.
+MAX_GAMMA = 64
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
     """How a row of logits becomes a distribution; the same for draft and target.
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it (finite).
     top_k: keep the k most likely tokens; 0 keeps all.
     top_p: keep the smallest set of tokens whose probability mass reaches top_p; 1 keeps all.
     """
@@ -21,12 +30,14 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (_is_number(self.temperature) and 0 <= self.temperature < math.inf):
+            raise ConfigError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        if not (_is_int(self.top_k) and self.top_k >= 0):
+            raise ConfigError(f"top_k must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
+        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
+            raise ConfigError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
 
     @property
     def greedy(self) -> bool:
@@ -59,11 +70,31 @@ class GenerationConfig:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.gamma < 1:
-            raise ValueError(f"gamma must be >= 1 (tokens drafted per round), got {self.gamma}")
+        if not (_is_int(self.max_new_tokens) and self.max_new_tokens >= 1):
+            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.sampling, SamplingConfig):
+            raise ConfigError(f"sampling must be a SamplingConfig, got {self.sampling!r}")
+        if not (_is_int(self.gamma) and 1 <= self.gamma <= MAX_GAMMA):
+            raise ConfigError(
+                f"gamma must be an integer in 1..{MAX_GAMMA} (tokens drafted per round), "
+                f"got {self.gamma!r}"
+            )
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        for name in ("use_draft", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.seed is not None and not (_is_int(self.seed) and self.seed >= 0):
+            raise ConfigError(f"seed must be None or an integer >= 0, got {self.seed!r}")
+        if not (isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop)):
+            raise ConfigError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+
+
+def _is_int(value: object) -> bool:
+    """An integer, Python's or NumPy's; not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """A real number, Python's or NumPy's; not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -70,7 +70,8 @@ def test_processed_rows_are_distributions_on_the_best_tokens(logits, temperature
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)],
+    [dict(temperature=-0.1), dict(temperature=float("inf")), dict(temperature=float("nan")),
+     dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)],
 )
 def test_bad_sampling_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):

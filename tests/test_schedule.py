@@ -18,6 +18,14 @@ def test_tokens_per_ms_follows_the_geometric_acceptance_model():
     assert CHEAP_DRAFT.tokens_per_ms(0.3, 0) == pytest.approx(1 / 10)
 
 
+def test_sampled_rounds_pay_for_the_extra_draft_run():
+    """Sampling runs the draft once more after a full acceptance (alpha^k) and in k = 0 rounds."""
+    greedy, sampled = CHEAP_DRAFT.round_ms(2, 0.5), CHEAP_DRAFT.round_ms(2, 0.5, sampled=True)
+    assert sampled - greedy == pytest.approx(CHEAP_DRAFT.draft_step_ms * 0.25)
+    assert CHEAP_DRAFT.round_ms(0, 0.5, sampled=True) == pytest.approx(
+        CHEAP_DRAFT.target_ms[0] + CHEAP_DRAFT.draft_step_ms)
+
+
 def test_heuristic_grows_by_two_on_full_acceptance_and_shrinks_by_one():
     schedule = HeuristicSchedule(gamma=4)
     schedule.update(4, 4)

@@ -10,6 +10,7 @@ from stats_check import ALPHA, fit_pvalue
 
 import edgespec
 from edgespec.config import SamplingConfig
+from edgespec.runtime import sampling as sampler
 from edgespec.runtime import speculative
 from edgespec.runtime.sampling import process_logits
 
@@ -70,7 +71,9 @@ def test_draft_equal_to_target_accepts_everything_at_temperature_zero(pipes, gam
 
 def test_a_wrong_acceptance_rule_breaks_greedy_identity(pipes, monkeypatch):
     """The identity test can fail: accepting every draft token changes the output."""
-    monkeypatch.setattr(speculative, "verify", lambda d, q, p, rng: (len(d), int(p[-1].argmax())))
+    monkeypatch.setattr(
+        speculative, "verify_greedy", lambda d, logits: (len(d), int(logits[len(d)].argmax()))
+    )
     pipe = pipes["llama"]
     differs = [
         pipe.generate(p, max_new_tokens=24, gamma=3).token_ids
@@ -84,6 +87,43 @@ def test_sampling_is_reproducible_with_a_seed(pipes):
     pipe = pipes["llama_noisy"]
     runs = [pipe.generate("def", max_new_tokens=30, temperature=1, seed=7).token_ids for _ in "ab"]
     assert runs[0] == runs[1]
+
+
+SAMPLED = {"T=1": dict(temperature=1.0), "top-p": dict(temperature=0.7, top_p=0.9)}
+
+
+def texts_by_schedule(pipe, prompt: str, **settings) -> dict[str, list[int]]:
+    """Token ids of one generation per draft-length choice, same seed."""
+    runs = {f"k={k}": pipe.generate(prompt, gamma=k, **settings) for k in (1, 2, 4, 8)}
+    runs["heuristic"] = pipe.generate(prompt, gamma=4, schedule="heuristic", **settings)
+    # on these tiny models adaptive mostly picks k = 0: target steps inside a speculative run
+    runs["adaptive"] = pipe.generate(prompt, gamma=8, schedule="adaptive", **settings)
+    return {name: r.token_ids for name, r in runs.items()}
+
+
+@pytest.mark.parametrize("setting", SAMPLED)
+@pytest.mark.parametrize("pair", ["llama_noisy", "gpt2"])
+def test_a_seed_gives_the_same_text_whatever_the_draft_lengths(pipes, pair, setting):
+    """Randomness is keyed by position: k, the schedule and k = 0 rounds change no token."""
+    pipe = pipes[pair]
+    for seed, prompt in enumerate(PROMPTS[:3]):
+        settings = dict(max_new_tokens=40, seed=seed, ignore_eos=True, **SAMPLED[setting])
+        texts = texts_by_schedule(pipe, prompt, **settings)
+        assert all(t == texts["k=1"] for t in texts.values()), (prompt, seed, texts)
+    assert pipe.generate(prompt, **{**settings, "seed": 99}).token_ids != texts["k=1"]
+
+
+def test_the_same_text_check_fails_for_a_sequential_random_stream(pipes, monkeypatch):
+    """Uniforms drawn in the order the loop asks for them (as from one rng) break it."""
+
+    class Sequential(sampler.PositionUniforms):
+        def rows(self, position: int, count: int) -> np.ndarray:
+            return self._rng.random((count, 3))
+
+    monkeypatch.setattr(speculative, "PositionUniforms", Sequential)
+    texts = texts_by_schedule(pipes["gpt2"], PROMPTS[0], max_new_tokens=40, seed=0,
+                              ignore_eos=True, temperature=1.0)
+    assert len({tuple(t) for t in texts.values()}) > 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,13 +200,11 @@ def test_target_only_sampling_matches_the_same_distribution(words):
 def test_the_distribution_check_rejects_a_wrong_loop(words, monkeypatch):
     """Resampling from p instead of the residual after a rejection biases the output."""
 
-    def resample_from_p(draft_tokens, q_draft, p_target, rng):
-        for i, x in enumerate(draft_tokens):
-            if rng.random() * q_draft[i, x] >= p_target[i, x]:
-                return i, speculative.sample(p_target[i], rng)
-        return len(draft_tokens), speculative.sample(p_target[-1], rng)
+    def resample_from_p(x, p, q, u):
+        px, qx = p.prob(x), q.prob(x)
+        return (True, x) if qx <= px or u[1] * qx < px else (False, p.draw(u[2]))
 
-    monkeypatch.setattr(speculative, "verify", resample_from_p)
+    monkeypatch.setattr(sampler, "accept_or_replace", resample_from_p)
     sampling = SETTINGS["temperature 1"]
     samples = two_token_samples(words, sampling, n=4000)
     assert fit_pvalue(samples, exact_two_token_distribution(words, sampling)) < 1e-6
@@ -206,7 +244,7 @@ def test_prompt_longer_than_the_context_is_refused(pipes):
 def test_eos_ends_generation_and_is_not_in_the_text(pipes):
     pipe = pipes["gpt2"]
     results = [pipe.generate(p, max_new_tokens=100, temperature=1, seed=s) for p in PROMPTS
-               for s in range(3)]
+               for s in range(6)]
     ended = [r for r in results if r.stats.finish_reason == "eos"]
     assert ended, "no sample ended with EOS; pick other seeds"
     for r in ended:
@@ -217,7 +255,7 @@ def test_eos_ends_generation_and_is_not_in_the_text(pipes):
 def test_ignore_eos_generates_max_new_tokens(pipes):
     pipe = pipes["gpt2"]
     ended = next(
-        (p, s) for p in PROMPTS for s in range(3)
+        (p, s) for p in PROMPTS for s in range(6)
         if pipe.generate(p, max_new_tokens=100, temperature=1, seed=s).stats.finish_reason == "eos"
     )
     prompt, seed = ended

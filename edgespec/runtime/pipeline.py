@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from edgespec.config import GenerationConfig, SamplingConfig
-from edgespec.errors import GenerationError
+from edgespec.errors import ConfigError, GenerationError, ManifestError
 from edgespec.manifest import Manifest
 from edgespec.runtime.schedule import (
     AdaptiveSchedule,
@@ -71,19 +71,23 @@ class Pipeline:
     ):
         self.path = Path(path)
         self.manifest = Manifest.read(self.path)
-        default_target, default_draft = default_session_configs(provider, draft_provider)
+        self.tokenizer = load_tokenizer(self.path, self.manifest)  # before the slow sessions
         m = self.manifest
+        default_target, default_draft = default_session_configs(
+            provider, draft_provider, draft_parameters=m.draft.parameters
+        )
+        self.session_configs = {"target": target or default_target, "draft": draft or default_draft}
         self.target, self.draft = (
             ModelSession(self.path / spec.path, spec, m.vocab_size, m.max_positions, config)
-            for spec, config in ((m.target, target or default_target),
-                                 (m.draft, draft or default_draft))
+            for spec, config in ((m.target, self.session_configs["target"]),
+                                 (m.draft, self.session_configs["draft"]))
         )
         for warning in {self.target.warning, self.draft.warning} - {None}:
             warnings.warn(warning, stacklevel=2)
-        self.tokenizer = Tokenizer.from_file(str(self.path / m.tokenizer))
         self._costs: dict[int, StepCosts] = {}
 
     def encode(self, prompt: str) -> list[int]:
+        check_text(prompt)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         if self.manifest.add_bos_token and self.manifest.bos_token_id is not None:
             ids = [self.manifest.bos_token_id, *ids]
@@ -129,7 +133,8 @@ class Pipeline:
         if config.schedule == "heuristic":
             return HeuristicSchedule(config.gamma)
         if config.schedule == "adaptive":
-            return AdaptiveSchedule(self.step_costs(config.gamma))
+            return AdaptiveSchedule(self.step_costs(config.gamma),
+                                    sampled=not config.sampling.greedy)
         return FixedSchedule(config.gamma)
 
     def step_costs(self, kmax: int) -> StepCosts:
@@ -157,16 +162,67 @@ class Pipeline:
         return stream.result
 
 
+def load_tokenizer(folder: Path, manifest: Manifest) -> Tokenizer:
+    """The package's tokenizer, refused unless it fits the manifest: no more tokens than the
+    shared vocabulary (a token past it has no logit), and every special id one of its tokens."""
+    path = folder / manifest.tokenizer
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:
+        if type(e) is not Exception:  # tokenizers raises plain Exceptions for unreadable files
+            raise
+        raise ManifestError(f"cannot read {path} ({' '.join(str(e).split())}); "
+                            "re-export the pair") from None
+    size = tokenizer.get_vocab_size()
+    if size > manifest.vocab_size:
+        raise ManifestError(
+            f"{path} has {size} tokens but the models share only {manifest.vocab_size} rows of "
+            "logits; re-export the pair"
+        )
+    specials = {"eos_token_ids": manifest.eos_token_ids, "bos_token_id": [manifest.bos_token_id],
+                "pad_token_id": [manifest.pad_token_id]}
+    for name, ids in specials.items():
+        for i in ids:
+            if i is not None and tokenizer.id_to_token(i) is None:
+                raise ManifestError(f"{name} {i} is not a token of {path}; re-export the pair")
+    return tokenizer
+
+
+def check_text(prompt: str) -> None:
+    """Refuse a prompt that is not a str, or holds lone surrogates: what Python makes of bytes
+    that are not UTF-8 (a shell argument ``$'\\xff'``), which no tokenizer can encode."""
+    if not isinstance(prompt, str):
+        raise GenerationError(
+            f"the prompt must be a str, got {type(prompt).__name__}; decode bytes to text first"
+        )
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GenerationError(
+            f"the prompt is not valid UTF-8: character {e.start} is {prompt[e.start]!r}, from "
+            "bytes that are not UTF-8 or half a surrogate pair; pass UTF-8 text"
+        ) from None
+
+
 def make_config(config: GenerationConfig | None = None, **settings) -> GenerationConfig:
     """A GenerationConfig from an optional base and flat keyword settings."""
+    if config is not None and not isinstance(config, GenerationConfig):
+        raise ConfigError(
+            f"config must be a GenerationConfig, got {type(config).__name__}; "
+            "pass settings as keywords"
+        )
     config = config or GenerationConfig()
     sampling = {k: settings.pop(k) for k in list(settings) if k in _SAMPLING_FIELDS}
     if "stop" in settings:
         stop = settings["stop"]
-        settings["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+        # one string or several; anything else goes on for GenerationConfig to refuse
+        settings["stop"] = ((stop,) if isinstance(stop, str)
+                            else tuple(stop) if isinstance(stop, Iterable) else stop)
     unknown = set(settings) - {f.name for f in fields(GenerationConfig)} - {"sampling"}
     if unknown:
-        raise TypeError(f"unknown generation setting(s): {', '.join(sorted(unknown))}")
+        known = _SAMPLING_FIELDS | ({f.name for f in fields(GenerationConfig)} - {"sampling"})
+        raise ConfigError(f"unknown generation setting(s): {', '.join(sorted(unknown))}; "
+                          f"known: {', '.join(sorted(known))}")
     if sampling:
         settings["sampling"] = replace(config.sampling, **sampling)
     return replace(config, **settings)

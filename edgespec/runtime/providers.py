@@ -10,6 +10,8 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from edgespec.errors import ConfigError
+
 PROVIDER_NAMES = {
     "cpu": "CPUExecutionProvider",
     "cuda": "CUDAExecutionProvider",
@@ -60,25 +62,39 @@ class SessionConfig:
 
     def __post_init__(self) -> None:
         if self.provider not in PROVIDERS:
-            raise ValueError(f"provider must be one of {', '.join(PROVIDERS)}, got {self.provider!r}")
+            raise ConfigError(f"provider must be one of {', '.join(PROVIDERS)}, got {self.provider!r}")
         if self.threads < 0:
-            raise ValueError(f"threads must be >= 0 (0 = all cores), got {self.threads}")
+            raise ConfigError(f"threads must be >= 0 (0 = all cores), got {self.threads}")
+
+
+# A draft this large (parameters) gets every core: its step streams tens of MB of weights or
+# more, which one core reads far slower than all of them (see default_session_configs).
+LARGE_DRAFT_PARAMETERS = 20_000_000
 
 
 def default_session_configs(
-    provider: str = "auto", draft_provider: str | None = None
+    provider: str = "auto", draft_provider: str | None = None, draft_parameters: int = 0
 ) -> tuple[SessionConfig, SessionConfig]:
-    """(target, draft) settings that do not fight over a small CPU.
+    """(target, draft) settings that do not fight over a small CPU, by the draft's size.
 
-    The draft's steps are tiny: one thread does them as fast as several, and with a single
-    thread it has no worker threads to spin. The target gets every core and spinning workers,
-    which answer its next run sooner. Measured on 2 cores with the demo pair: with two spinning
-    threads on both sessions, speculation ran at 0.6-0.8x of target-only; with the draft on one
-    thread, target spinning raised target-only decoding from 363 to 435 tokens/s and speculative
-    (k=8) from 948 to 1059.
+    A tiny draft (the demo's 1.6M parameters) runs on one thread, as fast as on several, and has
+    no worker threads to spin; the target gets every core and spinning workers, which answer its
+    next run sooner. Measured on 2 cores with the demo pair: with two spinning threads on both
+    sessions, speculation ran at 0.6-0.8x of target-only; with the draft on one thread, target
+    spinning raised target-only decoding from 363 to 435 tokens/s and speculative (k=8) from 948
+    to 1059.
+
+    A real draft (``draft_parameters`` >= LARGE_DRAFT_PARAMETERS: SmolLM2-135M, Qwen2.5-0.5B)
+    is memory-bound like its target, and one thread leaves half its speed unused on 2 cores
+    (SmolLM2-135M fp32: 53 -> 29 ms a step; Qwen2.5-0.5B: 166 -> 94 ms). Both sessions then get
+    every core and neither spins, so that each has the cores to itself while it runs.
     """
-    target = SessionConfig(provider, threads=os.cpu_count() or 1, spin=True)
-    return target, SessionConfig(draft_provider or provider, threads=1)
+    cores = os.cpu_count() or 1
+    draft_provider = draft_provider or provider
+    if draft_parameters >= LARGE_DRAFT_PARAMETERS:
+        return (SessionConfig(provider, threads=cores, spin=False),
+                SessionConfig(draft_provider, threads=cores, spin=False))
+    return SessionConfig(provider, threads=cores, spin=True), SessionConfig(draft_provider, threads=1)
 
 
 def provider_chain(config: SessionConfig) -> tuple[list, str | None]:

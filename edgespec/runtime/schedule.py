@@ -24,7 +24,6 @@ import numpy as np
 from edgespec.runtime.session import ModelSession
 
 
-
 @dataclass(frozen=True)
 class StepCosts:
     """Milliseconds of one draft step and of one target run on n tokens (n = 1..kmax+1)."""
@@ -36,12 +35,19 @@ class StepCosts:
     def kmax(self) -> int:
         return len(self.target_ms) - 1
 
-    def round_ms(self, k: int) -> float:
-        return k * self.draft_step_ms + self.target_ms[k]
+    def round_ms(self, k: int, alpha: float = 0.0, sampled: bool = False) -> float:
+        """Expected ms of a round drafting k tokens.
 
-    def tokens_per_ms(self, alpha: float, k: int) -> float:
+        A sampled round runs the draft once more where a position has no draft token yet (every
+        position is drawn the same way, runtime/speculative.py): after a full acceptance, with
+        probability alpha^k, and in every k = 0 round.
+        """
+        extra = self.draft_step_ms * alpha**k if sampled else 0.0
+        return k * self.draft_step_ms + self.target_ms[k] + extra
+
+    def tokens_per_ms(self, alpha: float, k: int, sampled: bool = False) -> float:
         """Expected tokens per ms of a round drafting k tokens."""
-        return expected_tokens(alpha, k) / self.round_ms(k)
+        return expected_tokens(alpha, k) / self.round_ms(k, alpha, sampled)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -105,8 +111,9 @@ class AdaptiveSchedule:
         prior_weight: float = 4.0,
         decay: float = 0.9,
         probe_overhead: float = 0.05,
+        sampled: bool = False,
     ):
-        self.costs, self.decay = costs, decay
+        self.costs, self.decay, self.sampled = costs, decay, sampled
         self.accepted, self.looked_at = prior_alpha * prior_weight, prior_weight
         extra_ms = costs.round_ms(1) - costs.target_ms[0]  # a probe against a plain step
         self.probe_every = max(4, math.ceil(extra_ms / (probe_overhead * costs.target_ms[0])))
@@ -117,7 +124,8 @@ class AdaptiveSchedule:
         return self.accepted / self.looked_at
 
     def next_k(self) -> int:
-        rates = [self.costs.tokens_per_ms(self.alpha, k) for k in range(self.costs.kmax + 1)]
+        rates = [self.costs.tokens_per_ms(self.alpha, k, self.sampled)
+                 for k in range(self.costs.kmax + 1)]
         best = max(range(len(rates)), key=rates.__getitem__)
         if best == 0 and self.steps_off >= self.probe_every:
             return 1
