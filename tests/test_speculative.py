@@ -236,6 +236,21 @@ def test_stops_at_the_context_limit(pipes):
         assert len(result.token_ids) == 5
 
 
+@pytest.mark.parametrize("pair", ["llama_self", "gpt2"])
+def test_the_window_ends_on_the_same_token_with_or_without_the_draft(pipes, pair):
+    """Up to the context's last position: a full acceptance near the end must not add one more."""
+    pipe = pipes[pair]
+    limit = pipe.manifest.max_positions
+    for left in (1, 2, 3, 4, 6):
+        prompt = pipe.tokenizer.decode(pipe.encode("x " * 200)[: limit - left])
+        baseline = pipe.generate(prompt, max_new_tokens=50, use_draft=False, ignore_eos=True)
+        assert len(baseline.token_ids) == left
+        for gamma in (1, 3, 5):
+            result = pipe.generate(prompt, max_new_tokens=50, gamma=gamma, ignore_eos=True)
+            assert result.token_ids == baseline.token_ids, (left, gamma)
+            assert result.stats.finish_reason == "context_limit"
+
+
 def test_prompt_longer_than_the_context_is_refused(pipes):
     with pytest.raises(edgespec.EdgespecError, match="context window is 128; shorten"):
         pipes["llama"].generate("x " * 300)

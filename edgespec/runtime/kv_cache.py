@@ -3,8 +3,9 @@
 Invariant kept by the decoding loops (``speculative.py``): the cache covers a prefix of the
 committed tokens that never includes the last one, so every run feeds at least one token and
 gets logits for what comes next. For the target the prefix is exactly ``committed[:-1]``; the
-draft may be one token further behind after a round in which every draft token was accepted
-(it never ran on the last draft token), and catches up on its next run. llama.cpp and
+draft's may be shorter (in greedy decoding it skips the last draft token of a fully accepted
+round and every k = 0 round), and it catches up on its next run by feeding what it lacks.
+llama.cpp and
 transformers' assisted decoding keep the same "all but the last token" shape.
 """
 

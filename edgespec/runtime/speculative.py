@@ -210,8 +210,9 @@ def decode(
 
     while True:
         remaining = config.max_new_tokens - stats.new_tokens
-        # Drafting more than remaining - 1 is wasted; the target must fit k more positions.
-        k = min(schedule.next_k(), remaining - 1, max_positions - len(committed))
+        # Drafting more than remaining - 1 is wasted; a round commits up to k + 1 tokens, and
+        # the window holds max_positions, as target-only decoding fills it.
+        k = min(schedule.next_k(), remaining - 1, max_positions - len(committed) - 1)
         if speculative:
             stats.draft_lengths[k] = stats.draft_lengths.get(k, 0) + 1
         if speculative and k > 0:
