@@ -72,3 +72,35 @@ def test_adaptive_shortens_k_as_acceptance_falls():
         schedule.update(2, 0)  # the draft's first token is always rejected
     assert schedule.alpha < 0.3
     assert schedule.next_k() < first
+
+
+class _CountingSession:
+    """A stand-in session that counts its runs (calibrate only needs forward and new_cache)."""
+
+    vocab_size = 100
+
+    def __init__(self):
+        self.runs = []
+
+    def new_cache(self, positions):
+        class Cache:
+            def crop(self, length):
+                pass
+
+        return Cache()
+
+    def forward(self, tokens, cache):
+        self.runs.append(len(tokens))
+
+
+def test_calibration_is_bounded_whatever_the_budget():
+    from edgespec.runtime.schedule import calibrate
+
+    target, draft = _CountingSession(), _CountingSession()
+    costs = calibrate(target, draft, context=32, kmax=16, budget_s=0.0)
+    assert costs.kmax == 16
+    # one prefill, then 3 timed runs of each length (the first length twice: warm-up)
+    assert target.runs == [32, *[1] * 3, *[n for n in range(1, 18) for _ in range(3)]]
+    target = _CountingSession()
+    calibrate(target, _CountingSession(), context=32, kmax=4, budget_s=1e9)
+    assert len(target.runs) == 1 + 20 * 6  # at most 20 runs of each length, however long
