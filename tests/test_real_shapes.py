@@ -1,0 +1,88 @@
+"""benchmarks/real_shapes.py on tiny packages: the arithmetic, a child's own peak memory, one
+measurement, the self-speculation package and the tables. No real shapes; seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "real_shapes.py"
+
+
+@pytest.fixture(scope="module")
+def rs():
+    spec = importlib.util.spec_from_file_location("real_shapes", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["real_shapes"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["real_shapes"]
+
+
+def test_expected_speedup_is_leviathans_with_sampling(rs):
+    target_ms = {n: 10.0 + n for n in range(1, rs.KMAX + 2)}
+    # k = 2, alpha 0.5: 1.75 tokens for 2 * 1 + 13 + 3 * 0.5 ms, against 11 + 0.5 ms a token
+    assert rs.expected_speedup(0.5, 2, 1.0, target_ms, 0.5, 0.5) == pytest.approx(
+        1.75 * 11.5 / 16.5)
+    assert rs.tokens_per_round(1.0, 3) == 4
+    # a free draft and flat verify cost: the largest k wins; a draft as dear as the target: k = 1
+    flat = dict.fromkeys(target_ms, 10.0)
+    assert rs.best_k(0.8, 0.0, flat, 0.0, 0.0)[0] == rs.KMAX
+    k, speedup = rs.best_k(0.6, 10.0, flat, 0.0, 0.0)
+    assert k == 1 and speedup < 1
+
+
+def test_each_child_reports_its_own_peak_memory(rs, tmp_path):
+    big = rs.run_child([sys.executable, "-c", "x = bytearray(300 << 20)"], tmp_path / "big.log")
+    small = rs.run_child([sys.executable, "-c", "pass"], tmp_path / "small.log")
+    assert big.returncode == small.returncode == 0
+    assert big.peak_bytes > 300 << 20 > small.peak_bytes
+
+
+def test_pairs_parse_and_self_speculation_has_one_row(rs):
+    pair, self_pair = rs.parse_pairs("smollm2-135m:smollm2-360m,llama-3.2-1b")
+    assert pair.variants(["fp32", "int4"]) == ["fp32", "int4"]
+    assert self_pair.is_self and self_pair.variants(["fp32", "int4"]) == [rs.SELF_VARIANT]
+    with pytest.raises(SystemExit):
+        rs.parse_pairs("gpt-5:smollm2-360m")
+
+
+def test_measure_assemble_and_tables(rs, packages, tmp_path):
+    # the self-speculation package: the target of one package with the draft of another,
+    # made again over its earlier self, never over someone else's folder
+    assembled = rs.assemble_self(packages["llama_self"], packages["llama"], tmp_path / "self")
+    assembled = rs.assemble_self(packages["llama_self"], packages["llama"], tmp_path / "self")
+    sizes = rs.package_bytes(assembled)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not a package")
+    with pytest.raises(rs.Skipped, match="not a package this script made"):
+        rs.assemble_self(packages["llama_self"], packages["llama"], tmp_path / "mine")
+    assert sizes == {"target": rs.package_bytes(packages["llama_self"])["target"],
+                     "draft": rs.package_bytes(packages["llama"])["draft"]}
+
+    runs = {}
+    for setting in rs.SETTINGS:
+        result = rs.measure(assembled, setting, context=8, steps=2, sampling_tokens=6)
+        runs[setting.name] = [{**json.loads(json.dumps(result)), "peak_bytes": 1 << 20}]
+    default = runs["default"][0]
+    assert sorted(map(int, default["target_ms"])) == list(range(1, rs.KMAX + 2))
+    assert all(len(t) == 2 and min(t) > 0 for t in default["target_ms"].values())
+    assert set(default["sampling"]) == set(rs.SAMPLINGS)
+
+    figures = rs.costs(runs)
+    expected = rs.speedups(figures)
+    assert set(expected) == set(rs.SAMPLINGS)
+    assert all(set(by_threads) == {"1", "all"} for by_threads in expected.values())
+    pair = rs.Pair("smollm2-135m", "smollm2-135m")
+    row = {"package": str(assembled), "package_bytes": sizes, "figures": figures,
+           "expected": expected, "exports": {"fp32": {"seconds": 1.0, "peak_bytes": 1 << 30}}}
+    results = {"pairs": {pair.name: {"checkpoint_bytes": {pair.target: 1 << 20},
+                                     "rows": {rs.SELF_VARIANT: row}}}}
+    info = {"machine": "x86_64", "cpu_count": 2, "date": "today", "versions": {"numpy": "2"}}
+    table = rs.markdown(results, [pair], info).splitlines()
+    rows = [line for line in table if line.startswith(f"| {pair.name} |")]
+    assert len(rows) == 1 + len(rs.SAMPLINGS)  # one cost row, a speedup row per sampling
