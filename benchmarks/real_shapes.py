@@ -15,7 +15,7 @@ fit in the vocabulary, and random weights make its merges irrelevant.
 ``run`` keeps torch out of its own process and each figure to one process: checkpoints are
 made (``make``) and packages exported (``edgespec export``) in child processes, and every
 measurement loads the package in a fresh child (``measure``), whose own peak memory comes from
-os.wait4 (RUSAGE_CHILDREN would give the largest of all children so far).
+a small launcher and os.wait4 (RUSAGE_CHILDREN would give the largest of all children so far).
 """
 
 from __future__ import annotations
@@ -173,21 +173,37 @@ class Child:
     returncode: int
 
 
+# Linux keeps a process's peak memory across exec, and a child forked from this (large) process
+# starts with this process's pages counted: so the command is started by a small launcher,
+# which forks it from its own small image and writes its peak (ru_maxrss) to a file.
+_LAUNCHER = """import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as peak:
+    peak.write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def run_child(command: list[str], log: Path) -> Child:
     """Run ``command`` with its output in ``log``; its wall time and its own peak memory."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    peak = log.with_suffix(".peak")
     with open(log, "wb") as out:
         start = time.perf_counter()
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(peak), *command],
+                                   stdout=out, stderr=subprocess.STDOUT)
         try:
-            _, status, usage = os.wait4(process.pid, 0)
+            returncode = process.wait()
         except BaseException:  # Ctrl-C reached the child too: let it clean up (export does)
             process.terminate()
             process.wait()
             raise
         seconds = time.perf_counter() - start
-    process.returncode = os.waitstatus_to_exitcode(status)  # reaped: Popen must not wait again
-    return Child(seconds, usage.ru_maxrss * RSS_UNIT, process.returncode)
+    peak_bytes = int(peak.read_text()) * RSS_UNIT if peak.exists() else 0
+    return Child(seconds, peak_bytes, returncode)
 
 
 class Skipped(Exception):

@@ -11,18 +11,18 @@ the loop loses to sampling, Python and acceptance that is not independent from t
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from edgespec.config import SCHEDULES, GenerationConfig, SamplingConfig
-from edgespec.errors import EdgespecError
+from edgespec.errors import ConfigError, EdgespecError
 from edgespec.manifest import PROMPTS_NAME
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.runtime.schedule import expected_tokens
+from edgespec.runtime.stats import GenerationStats
 
 
 @dataclass(frozen=True)
@@ -37,13 +37,17 @@ class BenchConfig:
     def __post_init__(self) -> None:
         unknown = set(self.schedules) - set(SCHEDULES)
         if unknown or not self.schedules:
-            raise ValueError(f"schedules must be among {', '.join(SCHEDULES)}, got {self.schedules}")
+            raise ConfigError(f"schedules must be among {', '.join(SCHEDULES)}, got {self.schedules}")
         if not self.gammas or min(self.gammas) < 1:
-            raise ValueError(f"gammas must be >= 1, got {self.gammas}")
+            raise ConfigError(f"gammas must be >= 1, got {self.gammas}")
         if not self.temperatures or min(self.temperatures) < 0:
-            raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
+            raise ConfigError(f"temperatures must be >= 0, got {self.temperatures}")
         if self.repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+            raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
+        for temperature in self.temperatures:  # every run's settings, refused now, not mid-way
+            for schedule, gamma in self.variants:
+                GenerationConfig(self.max_new_tokens, SamplingConfig(temperature), gamma,
+                                 schedule, seed=self.seed)
 
     @property
     def variants(self) -> list[tuple[str, int]]:
@@ -107,6 +111,8 @@ def run_bench(
     Speedups are medians of paired ratios: each speculative run against the target-only run of
     the same prompt, temperature and repeat.
     """
+    if not prompts:
+        raise EdgespecError("no prompts to benchmark; give at least one")
     progress = progress or (lambda n: None)
     pipe.generate(prompts[0], max_new_tokens=8)  # warm both sessions up
     report = BenchReport(config, prompts=len(prompts))
@@ -136,23 +142,19 @@ def total_runs(config: BenchConfig, prompts: int) -> int:
 
 
 def _summarise(temperature: float, schedule: str, gamma: int, pairs: list) -> Row:
+    """Rates and speedups are medians over runs; acceptance and step costs pool all the runs'
+    rounds and calls (GenerationStats.combined)."""
     median = statistics.median
-    accepted = sum(s.accepted for _, s in pairs)
-    drafted = sum(s.drafted for _, s in pairs)
-    rejected = sum(s.rejected for _, s in pairs)
-    alpha = accepted / (accepted + rejected) if accepted + rejected else 0.0
-    width = max(len(s.drafted_at) for _, s in pairs)
-    accepted_at, drafted_at = np.zeros(width), np.zeros(width)
-    for _, s in pairs:
-        accepted_at[: len(s.accepted_at)] += s.accepted_at
-        drafted_at[: len(s.drafted_at)] += s.drafted_at
+    base = GenerationStats.combined(b for b, _ in pairs)
+    spec = GenerationStats.combined(s for _, s in pairs)
     speedup = median(s.tokens_per_s / b.tokens_per_s for b, s in pairs)
-    step_ms = 1e3 * sum(b.target_s for b, _ in pairs) / sum(b.target_calls for b, _ in pairs)
-    draft_ms = 1e3 * sum(s.draft_s for _, s in pairs) / max(1, sum(s.draft_calls for _, s in pairs))
-    verify_ms = 1e3 * sum(s.target_s for _, s in pairs) / sum(s.target_calls for _, s in pairs)
+    step_ms = 1e3 * base.target_s / base.target_calls
+    draft_ms = 1e3 * spec.draft_s / max(1, spec.draft_calls)
+    verify_ms = 1e3 * spec.target_s / spec.target_calls
     # the formula assumes k fixed; for the adaptive schedules it is left out
     expected = (
-        expected_speedup(alpha, gamma, draft_ms, verify_ms, step_ms) if schedule == "fixed" else None
+        expected_speedup(spec.alpha, gamma, draft_ms, verify_ms, step_ms)
+        if schedule == "fixed" else None
     )
     return Row(
         temperature=temperature,
@@ -161,10 +163,10 @@ def _summarise(temperature: float, schedule: str, gamma: int, pairs: list) -> Ro
         baseline_tokens_per_s=median(b.tokens_per_s for b, _ in pairs),
         tokens_per_s=median(s.tokens_per_s for _, s in pairs),
         speedup=speedup,
-        acceptance_rate=accepted / drafted if drafted else 0.0,
-        alpha=alpha,
+        acceptance_rate=spec.acceptance_rate,
+        alpha=spec.alpha,
         tokens_per_target_call=median(s.tokens_per_target_call for _, s in pairs),
-        per_position_acceptance=(accepted_at / np.maximum(drafted_at, 1)).tolist(),
+        per_position_acceptance=spec.per_position_acceptance,
         expected_speedup=expected,
         efficiency=speedup / expected if expected else None,
         target_step_ms=step_ms,
@@ -176,18 +178,44 @@ def _summarise(temperature: float, schedule: str, gamma: int, pairs: list) -> Ro
 
 
 def read_prompts(path: str | Path) -> list[str]:
-    """Prompts from a text file, one a line, or JSON Lines of strings / {"prompt": ...}."""
+    """Prompts from a UTF-8 text file, one a line, or JSON Lines of strings / {"prompt": ...}."""
     path = Path(path)
     if not path.is_file():
         raise EdgespecError(f"no prompts file at {path}; pass --prompts FILE (one prompt a line)")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as e:
+        raise EdgespecError(f"{path} is not UTF-8 (byte {e.start}); save it as UTF-8") from None
+    if not lines:
+        raise EdgespecError(f"{path} holds no prompts; put one prompt a line")
     if path.suffix != ".jsonl":
         return lines
     try:
         items = [json.loads(line) for line in lines]
-        return [item if isinstance(item, str) else item["prompt"] for item in items]
+        prompts = [item if isinstance(item, str) else item["prompt"] for item in items]
     except (ValueError, KeyError, TypeError) as e:
         raise EdgespecError(f"{path}: not JSON Lines of prompts ({e})") from None
+    if not all(isinstance(prompt, str) for prompt in prompts):
+        raise EdgespecError(f"{path}: not JSON Lines of prompts (a prompt that is not a string)")
+    return prompts
+
+
+def check_writable(path: Path, option: str) -> None:
+    """Refuse, before any benchmarking, an output file that could not be written at the end."""
+    parent = path.parent
+    if path.is_dir():
+        raise EdgespecError(f"{option} {path} is a folder; give a file name")
+    if not parent.is_dir():
+        missing = "does not exist" if not parent.exists() else "is not a folder"
+        raise EdgespecError(f"{option} {path}: {parent} {missing}; create the folder first")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise EdgespecError(f"{option} {path}: no permission to write there; choose another path")
+
+
+def check_plotting(path: Path) -> None:
+    """Refuse ``--plot`` before any benchmarking if matplotlib is missing or ``path`` unwritable."""
+    _pyplot()
+    check_writable(path, "--plot")
 
 
 def format_table(report: BenchReport) -> str:
@@ -215,13 +243,7 @@ def format_table(report: BenchReport) -> str:
 
 def plot(report: BenchReport, path: Path) -> None:
     """Speedup against gamma, one colour per temperature: measured solid, expected dashed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise EdgespecError("--plot needs matplotlib: pip install 'edgespec[bench]'") from None
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for i, temperature in enumerate(report.config.temperatures):
         rows = [r for r in report.rows if r.temperature == temperature and r.schedule == "fixed"]
@@ -237,3 +259,15 @@ def plot(report: BenchReport, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _pyplot():
+    """matplotlib.pyplot, drawing to files only."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise EdgespecError("--plot needs matplotlib: pip install 'edgespec[bench]'") from None
+    return plt

@@ -69,7 +69,9 @@ def _exit(message: str, code: int) -> None:
 
 
 def _user_errors(command):
-    """Library errors and invalid settings become one line on stderr and exit code 1."""
+    """Library errors (EdgespecError: bad packages, settings, prompts) become one line on
+    stderr and exit code 1. Nothing else is translated: any other exception is a bug in
+    edgespec and keeps its traceback."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -77,7 +79,7 @@ def _user_errors(command):
             warnings.showwarning = _one_line_warning
             try:
                 return command(*args, **kwargs)
-            except (EdgespecError, ValueError) as e:
+            except EdgespecError as e:
                 raise click.ClickException(str(e)) from None
 
     return wrapper
@@ -269,10 +271,15 @@ def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, 
     from edgespec import bench as benchmark
 
     try:
-        config = benchmark.BenchConfig(_ints(gammas), _floats(temperatures), max_new_tokens,
-                                       repeats, schedules=tuple(schedules.split(",")))
+        gamma_list, temperature_list = _ints(gammas), _floats(temperatures)
     except ValueError as e:
         raise click.ClickException(f"--gamma/--temperature: {e}") from None
+    config = benchmark.BenchConfig(gamma_list, temperature_list, max_new_tokens, repeats,
+                                   schedules=tuple(schedules.split(",")))
+    if json_out:  # outputs checked now: the benchmark may take many minutes
+        benchmark.check_writable(json_out, "--json")
+    if plot_out:
+        benchmark.check_plotting(plot_out)
     package = package or _demo_package()
     pipe = load(package, provider=provider)
     prompts = benchmark.read_prompts(prompts_file or package / benchmark.PROMPTS_NAME)

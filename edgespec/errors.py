@@ -14,8 +14,14 @@ class IncompatiblePairError(ExportError):
 
 
 class ManifestError(EdgespecError):
-    """An exported package is missing files or its manifest is unreadable."""
+    """An exported package is missing files, or its manifest or tokenizer is unreadable or
+    does not fit the models."""
 
 
 class GenerationError(EdgespecError):
-    """A generation request cannot be served (prompt too long, bad settings)."""
+    """A generation request cannot be served (a prompt that is empty, too long or not text)."""
+
+
+class ConfigError(EdgespecError, ValueError):
+    """A setting has the wrong type or is out of range. Also a ValueError, so callers that
+    caught the ValueError these settings raised before still catch it."""

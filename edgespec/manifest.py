@@ -6,7 +6,8 @@ Written by the exporter, read by the runtime; plain JSON so both sides stay ligh
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from edgespec.errors import ManifestError
@@ -21,6 +22,9 @@ TOKENIZER_NAME = "tokenizer.json"
 PACKAGE_ENTRIES = frozenset(
     {MANIFEST_NAME, TOKENIZER_NAME, PROMPTS_NAME, REPORT_NAME, "target", "draft"}
 )
+GRAPHS = ("optimum", "fused")  # optimum's exporter; edgespec's own (export/fused.py)
+DTYPES = ("float32", "float16")  # what a graph computes in
+QUANTIZATIONS = (None, "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,8 @@ class Manifest:
 
     @classmethod
     def read(cls, folder: Path) -> "Manifest":
+        """The manifest of a package folder, every field checked for type and range, and the
+        files it names checked to be inside the folder; any fault is a ManifestError."""
         folder = Path(folder)
         path = folder / MANIFEST_NAME
         if not folder.is_dir():
@@ -75,26 +81,138 @@ class Manifest:
                 f"{folder} has no {MANIFEST_NAME}; pass a package made by 'edgespec export'"
             )
         try:
-            raw = json.loads(path.read_text())
-            version = raw.get("format_version")
-            if version != FORMAT_VERSION:
-                raise ManifestError(
-                    f"{path} has format version {version}, this edgespec reads {FORMAT_VERSION}; "
-                    "re-export the pair with this version"
-                )
-            raw["target"] = ModelSpec(**raw["target"])
-            raw["draft"] = ModelSpec(**raw["draft"])
-            manifest = cls(**raw)
-        except ManifestError:
-            raise
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as e:  # not JSON, or not UTF-8
             raise ManifestError(
                 f"{path} is corrupt ({type(e).__name__}: {e}); re-export the pair"
             ) from None
+        if not isinstance(raw, dict):
+            raise ManifestError(f"{path} is corrupt (not a JSON object); re-export the pair")
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ManifestError(
+                f"{path} has format version {version}, this edgespec reads {FORMAT_VERSION}; "
+                "re-export the pair with this version"
+            )
+        _check_fields(path, raw, MANIFEST_FIELDS, cls)
+        for role in ("target", "draft"):
+            _check_fields(path, raw[role], SPEC_FIELDS, ModelSpec, f"{role}.")
+        manifest = cls(**{**raw, "target": ModelSpec(**raw["target"]),
+                          "draft": ModelSpec(**raw["draft"])})
+        manifest._check_consistency(path)
         manifest._check_files(folder)
         return manifest
 
+    def _check_consistency(self, path: Path) -> None:
+        """What no single field shows: ids inside the shared vocabulary, which both graphs'
+        logits cover, and one KV output for every KV input."""
+        for role, spec in (("target", self.target), ("draft", self.draft)):
+            if spec.vocab_size < self.vocab_size:
+                _refuse(path, f"{role}.vocab_size", spec.vocab_size,
+                        f"at least the shared vocab_size {self.vocab_size}")
+            if len(spec.kv_outputs) != len(spec.kv_inputs):
+                _refuse(path, f"{role}.kv_outputs", spec.kv_outputs,
+                        f"a list as long as {role}.kv_inputs ({len(spec.kv_inputs)})")
+        specials = {"eos_token_ids": self.eos_token_ids, "bos_token_id": [self.bos_token_id],
+                    "pad_token_id": [self.pad_token_id]}
+        for name, ids in specials.items():
+            if any(i is not None and i >= self.vocab_size for i in ids):
+                _refuse(path, name, ids if name == "eos_token_ids" else ids[0],
+                        f"below vocab_size {self.vocab_size}")
+
     def _check_files(self, folder: Path) -> None:
-        for relative in (self.target.path, self.draft.path, self.tokenizer):
-            if not (folder / relative).is_file():
+        """Each file the manifest names exists, inside the folder once links are resolved: a
+        package cannot make edgespec load a model or tokenizer from elsewhere."""
+        root = folder.resolve()
+        named = {"target.path": self.target.path, "draft.path": self.draft.path,
+                 "tokenizer": self.tokenizer}
+        for name, relative in named.items():
+            resolved = (folder / relative).resolve()
+            if Path(relative).is_absolute() or not resolved.is_relative_to(root):
+                _refuse(folder / MANIFEST_NAME, name, relative,
+                        "a path inside the package folder")
+            if not resolved.is_file():
                 raise ManifestError(f"{folder / relative} is missing; re-export the pair")
+
+
+# The checks Manifest.read makes, one per field: (what the field must be, test of a value).
+# Optional fields (those with a default) may be absent: packages from older exporters lack
+# ``stored`` and ``validation``.
+Check = tuple[str, Callable[[object], bool]]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _one_of(choices: tuple) -> Check:
+    return f"one of {', '.join(json.dumps(c) for c in choices)}", lambda v: v in choices
+
+
+_COUNT: Check = ("an integer >= 1", lambda v: _is_int(v) and v >= 1)
+_SIZE: Check = ("an integer >= 0", lambda v: _is_int(v) and v >= 0)
+_TOKEN_ID: Check = ("null or a token id (an integer >= 0)", lambda v: v is None or _SIZE[1](v))
+_TEXT: Check = ("a string", lambda v: isinstance(v, str))
+_PATH: Check = ("a path inside the package folder", lambda v: isinstance(v, str) and v != "")
+_OBJECT: Check = ("a JSON object", lambda v: isinstance(v, dict))
+_NAMES: Check = ("a non-empty list of strings",
+                 lambda v: isinstance(v, list) and bool(v) and all(isinstance(n, str) for n in v))
+
+SPEC_FIELDS: dict[str, Check] = {
+    "path": _PATH,
+    "architecture": _TEXT,
+    "layers": _COUNT,
+    "kv_heads": _COUNT,
+    "head_dim": _COUNT,
+    "vocab_size": _COUNT,
+    "kv_inputs": _NAMES,
+    "kv_outputs": _NAMES,
+    "graph": _one_of(GRAPHS),
+    "dtype": _one_of(DTYPES),
+    "stored": ("a JSON object of counts (string: integer >= 0)",
+               lambda v: isinstance(v, dict) and all(_SIZE[1](n) for n in v.values())),
+    "quantization": _one_of(QUANTIZATIONS),
+    "parameters": _SIZE,
+    "validation": _OBJECT,
+}
+MANIFEST_FIELDS: dict[str, Check] = {
+    "target": _OBJECT,
+    "draft": _OBJECT,
+    "vocab_size": _COUNT,
+    "max_positions": _COUNT,
+    "eos_token_ids": ("a list of token ids (integers >= 0)",
+                      lambda v: isinstance(v, list) and all(_SIZE[1](i) for i in v)),
+    "bos_token_id": _TOKEN_ID,
+    "pad_token_id": _TOKEN_ID,
+    "add_bos_token": ("true or false", lambda v: isinstance(v, bool)),
+    "tokenizer": _PATH,
+    "source": _OBJECT,
+    "edgespec_version": _TEXT,
+    "format_version": ("an integer", _is_int),
+}
+
+
+def _check_fields(path: Path, raw: dict, checks: dict[str, Check], kind: type,
+                  prefix: str = "") -> None:
+    """Refuse the first field of ``raw`` that is unknown, missing or fails its check;
+    ``kind``'s dataclass fields tell which may be absent."""
+    for name in raw:
+        if name not in checks:
+            raise ManifestError(
+                f"{path}: unknown field {prefix}{name} (written by a newer edgespec?); "
+                "re-export the pair with this version"
+            )
+    for f in fields(kind):
+        if f.name not in raw:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ManifestError(f"{path}: field {prefix}{f.name} is missing; re-export the pair")
+            continue
+        what, ok = checks[f.name]
+        if not ok(raw[f.name]):
+            _refuse(path, prefix + f.name, raw[f.name], what)
+
+
+def _refuse(path: Path, name: str, value: object, what: str) -> None:
+    shown = json.dumps(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise ManifestError(f"{path}: {name} must be {what}, got {shown}; re-export the pair")

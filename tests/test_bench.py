@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -68,3 +70,57 @@ def test_bench_command_writes_json(packages, tmp_path):
 def test_bench_refuses_bad_lists(packages):
     result = CliRunner().invoke(main, ["bench", str(packages["gpt2"]), "--gamma", "0,2"])
     assert result.exit_code == 1 and "gammas must be >= 1" in result.stderr
+
+
+def test_plot_without_matplotlib_is_refused_before_benchmarking(packages, tmp_path, monkeypatch):
+    def no_benchmarking(*args, **kwargs):
+        raise AssertionError("benchmarked before checking --plot")
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    monkeypatch.setattr("edgespec.bench.run_bench", no_benchmarking)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n")
+    result = CliRunner().invoke(main, [
+        "bench", str(packages["gpt2"]), "--prompts", str(prompts), "--plot", str(tmp_path / "s.png"),
+    ])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert result.stderr == "Error: --plot needs matplotlib: pip install 'edgespec[bench]'\n"
+
+
+def test_an_output_without_write_permission_is_refused(tmp_path, monkeypatch):
+    from edgespec.bench import check_writable
+    from edgespec.errors import EdgespecError
+
+    check_writable(tmp_path / "r.json", "--json")  # fine
+    monkeypatch.setattr("edgespec.bench.os.access", lambda path, mode: False)
+    with pytest.raises(EdgespecError, match="--json .*r.json: no permission to write"):
+        check_writable(tmp_path / "r.json", "--json")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_a_read_only_folder_is_refused(tmp_path):
+    from edgespec.bench import check_writable
+    from edgespec.errors import EdgespecError
+
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(EdgespecError, match="no permission to write"):
+            check_writable(tmp_path / "r.json", "--json")
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def test_run_bench_refuses_an_empty_prompt_list(packages):
+    from edgespec.errors import EdgespecError
+
+    with pytest.raises(EdgespecError, match="no prompts"):
+        run_bench(edgespec.load(packages["gpt2"]), [], BenchConfig(gammas=(1,), repeats=1))
+
+
+def test_read_prompts_refuses_prompts_that_are_not_strings(tmp_path):
+    from edgespec.errors import EdgespecError
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": 5}\n')
+    with pytest.raises(EdgespecError, match="not JSON Lines of prompts"):
+        read_prompts(path)

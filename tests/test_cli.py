@@ -64,14 +64,70 @@ def corrupt_package(packages, tmp_path):
     return pkg
 
 
+def edited_package(packages, tmp_path, **fields):
+    """A copy of the gpt2 package with manifest fields replaced ("target_path" for target.path)."""
+    import shutil
+
+    pkg = tmp_path / "edited"
+    shutil.copytree(packages["gpt2"], pkg)
+    raw = json.loads((pkg / "edgespec.json").read_text())
+    for name, value in fields.items():
+        if name == "tokenizer_file":
+            (pkg / "tokenizer.json").write_text(value)
+        elif "_path" in name:
+            raw[name.split("_")[0]]["path"] = value
+        else:
+            raw[name] = value
+    (pkg / "edgespec.json").write_text(json.dumps(raw))
+    return pkg
+
+
+def prompts_file(tmp_path, text="def f(x):\n", name="prompts.txt", encoding="utf-8"):
+    path = tmp_path / name
+    path.write_bytes(text.encode(encoding))
+    return path
+
+
+def bench(packages, tmp_path, *args):
+    """A bench small enough to finish quickly if nothing stops it."""
+    return ["bench", packages["gpt2"], "--gamma", "1", "--temperature", "0", "-n", "2",
+            "--repeats", "1", *args]
+
+
 BAD_INPUTS = {
     "missing folder": (lambda p, t: ["generate", t / "nope", "hi"], "is not a folder"),
     "not a package": (lambda p, t: ["generate", t, "hi"], "has no edgespec.json"),
     "corrupt manifest": (lambda p, t: ["generate", corrupt_package(p, t), "hi"], "is corrupt"),
-    "negative temperature": (lambda p, t: ["generate", p["gpt2"], "hi", "-t", -1], "temperature must be >= 0"),
-    "top_p zero": (lambda p, t: ["generate", p["gpt2"], "hi", "--top-p", 0], "top_p must be in (0, 1]"),
-    "top_p above one": (lambda p, t: ["generate", p["gpt2"], "hi", "--top-p", 1.5], "top_p must be in (0, 1]"),
-    "gamma zero": (lambda p, t: ["generate", p["gpt2"], "hi", "--gamma", 0], "gamma must be >= 1"),
+    "negative temperature": (lambda p, t: ["generate", p["gpt2"], "hi", "-t", -1], "temperature must be a finite number >= 0"),
+    "top_p zero": (lambda p, t: ["generate", p["gpt2"], "hi", "--top-p", 0], "top_p must be a number in (0, 1]"),
+    "top_p above one": (lambda p, t: ["generate", p["gpt2"], "hi", "--top-p", 1.5], "top_p must be a number in (0, 1]"),
+    "gamma zero": (lambda p, t: ["generate", p["gpt2"], "hi", "--gamma", 0], "gamma must be an integer in 1..64"),
+    "gamma far too large": (lambda p, t: ["generate", p["gpt2"], "hi", "-k", 100000], "gamma must be an integer in 1..64"),
+    "negative seed": (lambda p, t: ["generate", p["gpt2"], "hi", "--seed", -1], "seed must be None or an integer >= 0"),
+    "prompt not UTF-8": (lambda p, t: ["generate", p["gpt2"], "\udcff"], "not valid UTF-8"),
+    "manifest field of the wrong type": (
+        lambda p, t: ["generate", edited_package(p, t, max_positions="512"), "hi"], "max_positions must be"),
+    "model path outside the package": (
+        lambda p, t: ["generate", edited_package(p, t, target_path="../x.onnx"), "hi"],
+        "target.path must be a path inside the package"),
+    "corrupt tokenizer": (
+        lambda p, t: ["generate", edited_package(p, t, tokenizer_file="{"), "hi"], "cannot read"),
+    "bench with an empty prompts file": (
+        lambda p, t: bench(p, t, "--prompts", prompts_file(t, "\n \n")), "holds no prompts"),
+    "bench with a prompts file that is not UTF-8": (
+        lambda p, t: bench(p, t, "--prompts", prompts_file(t, "café\n", encoding="latin-1")),
+        "is not UTF-8"),
+    "bench --json into a missing folder": (
+        lambda p, t: bench(p, t, "--prompts", prompts_file(t), "--json", t / "no" / "r.json"),
+        "does not exist"),
+    "bench --json onto a folder": (
+        lambda p, t: bench(p, t, "--prompts", prompts_file(t), "--json", t), "is a folder"),
+    "bench -n 0": (lambda p, t: bench(p, t, "--prompts", prompts_file(t), "-n", 0),
+                   "max_new_tokens must be an integer >= 1"),
+    "bench gamma far too large": (
+        lambda p, t: ["bench", p["gpt2"], "--gamma", "2,1000"], "gamma must be an integer in 1..64"),
+    "build-demo with a negative seed": (
+        lambda p, t: ["models", "build-demo", "--out", t / "demo", "--seed", -1], "seed must be >= 0"),
     "prompt too long": (lambda p, t: ["generate", p["gpt2"], "x " * 300], "shorten the prompt"),
     "export of a folder without a model": (
         lambda p, t: ["export", "--target", t, "--draft", t, "--out", t / "o"], "has no config.json"),
@@ -98,13 +154,40 @@ def test_bad_input_is_one_line_and_exit_code_1(packages, tmp_path, case):
     assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
 
 
+def test_click_option_errors_stay_click_usage_errors(packages):
+    for args in (["-n", "abc"], ["--seed", "x"], ["--provider", "gpu"]):
+        result = run("generate", packages["gpt2"], "hi", *args)
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+        assert result.stderr.splitlines()[-1].startswith("Error: Invalid value for")
+        assert "Traceback" not in result.output
+
+
+def test_an_internal_fault_is_not_dressed_as_bad_input(packages, monkeypatch):
+    def crop_past_the_end(*args, **kwargs):
+        raise ValueError("cannot crop a KV cache of length 3 to 5")
+
+    monkeypatch.setattr("edgespec.runtime.pipeline.decode", crop_past_the_end)
+    result = run("generate", packages["gpt2"], "hi", "-n", 4)
+    assert isinstance(result.exception, ValueError)  # a bug: the traceback is shown
+    assert "Error: cannot crop" not in result.stderr
+
+
+def test_a_real_process_refuses_a_prompt_that_is_not_utf8(packages):
+    proc = subprocess.run(
+        [sys.executable, "-m", "edgespec", "generate", str(packages["gpt2"]).encode(), b"\xff"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("Error: the prompt is not valid UTF-8") and proc.stderr.count("\n") == 1
+
+
 def test_a_real_process_prints_no_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "edgespec", "generate", str(tmp_path), "hi", "--top-p", "2"],
         capture_output=True, text=True,
     )
     assert proc.returncode == 1
-    assert proc.stderr == "Error: top_p must be in (0, 1], got 2.0\n"
+    assert proc.stderr == "Error: top_p must be a number in (0, 1], got 2.0\n"
 
 
 def test_an_unavailable_provider_falls_back_to_cpu_with_one_warning(packages):

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from edgespec.errors import EdgespecError
+from edgespec.errors import ConfigError, EdgespecError
 from edgespec.export import export_pair
 from edgespec.export.destination import atomic_folder
 from edgespec.manifest import PROMPTS_NAME, REPORT_NAME
@@ -62,7 +62,7 @@ _MAX_GRAD_NORM = 1.0
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ConfigError(message)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -32,6 +33,28 @@ class GenerationStats:
     sampling_s: float = 0.0
     total_s: float = 0.0
     finish_reason: str = ""
+
+    @classmethod
+    def combined(cls, runs: Iterable[GenerationStats]) -> GenerationStats:
+        """Several runs as one: counters, times and per-position counts added up, so that
+        every derived figure (alpha, per-position acceptance, tokens/s) pools all their rounds.
+
+        ``speculative`` if any run was; ``finish_reason`` the runs' common one, else "mixed".
+        """
+        runs = list(runs)
+        total = cls(speculative=any(r.speculative for r in runs))
+        for run in runs:
+            for f in fields(cls):
+                value = getattr(run, f.name)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    setattr(total, f.name, getattr(total, f.name) + value)
+            for k, rounds in run.draft_lengths.items():
+                total.draft_lengths[k] = total.draft_lengths.get(k, 0) + rounds
+            total.accepted_at = _added(total.accepted_at, run.accepted_at)
+            total.drafted_at = _added(total.drafted_at, run.drafted_at)
+        reasons = {r.finish_reason for r in runs}
+        total.finish_reason = reasons.pop() if len(reasons) == 1 else "mixed" if reasons else ""
+        return total
 
     def record_round(self, k: int, n_accepted: int) -> None:
         grow = k - len(self.drafted_at)
@@ -100,3 +123,9 @@ class GenerationStats:
                 f", {self.tokens_per_target_call:.2f} tokens/target call"
             )
         return f"{line} ({self.finish_reason})"
+
+
+def _added(a: list[int], b: list[int]) -> list[int]:
+    """Element-wise sum of two count lists, the shorter padded with zeros."""
+    width = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (width - len(a)), b + [0] * (width - len(b)))]

@@ -15,6 +15,12 @@ class IncrementalDecoder:
     starts a few tokens back and emits only what the window adds past the text already emitted
     (the scheme of Hugging Face text-generation-inference's ``decode_token``). A window ending in
     U+FFFD is held back until the character completes.
+
+    Not ``tokenizers.decoders.DecodeStream`` (tokenizers >= 0.21), which runs the same scheme
+    and gives the same text while characters complete, but has no flush: it holds back a
+    character still incomplete when generation ends and offers no way to get it, nor its ids
+    (``step`` is its only method; checked with 0.22). ``flush`` here returns it (as U+FFFD),
+    so the streamed text always equals the decoded tokens.
     """
 
     def __init__(self, tokenizer: Tokenizer):
