@@ -14,7 +14,18 @@ from pathlib import Path
 
 import click
 
+from edgespec.config import (
+    EXPORT_DTYPES,
+    EXPORT_GRAPHS,
+    EXPORT_QUANTIZATIONS,
+    EXPORT_VALIDATIONS,
+    PROVIDERS,
+    SCHEDULES,
+    GenerationConfig,
+)
 from edgespec.errors import EdgespecError
+
+_DEFAULTS = GenerationConfig()  # the CLI's defaults are the library's
 
 
 class Terminated(BaseException):
@@ -141,14 +152,14 @@ def main() -> None:
               help="Package folder to create.")
 @click.option("--overwrite", is_flag=True,
               help="Replace --out if it is an edgespec package holding nothing else.")
-@click.option("--graph", type=click.Choice(["auto", "optimum", "fused"]), default="auto",
+@click.option("--graph", type=click.Choice(EXPORT_GRAPHS), default="auto",
               show_default=True,
               help="fused: edgespec's Llama-family graph with fused operators; optimum: any model.")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+@click.option("--dtype", type=click.Choice(EXPORT_DTYPES), default="fp32", show_default=True,
               help="fp16 computes in half precision (for GPUs).")
-@click.option("--quantize", type=click.Choice(["int8", "int4"]),
+@click.option("--quantize", type=click.Choice(EXPORT_QUANTIZATIONS),
               help="Block-wise weight-only quantization of the weights (embedding included).")
-@click.option("--validate", "validation", type=click.Choice(["strict", "report", "skip"]),
+@click.option("--validate", "validation", type=click.Choice(EXPORT_VALIDATIONS),
               default="strict", show_default=True,
               help="strict: a graph that fails validation stops the export; report: write the "
                    "package anyway and record the figures; skip: no validation.")
@@ -170,22 +181,23 @@ def export(target: Path, draft: Path, out: Path, overwrite: bool, graph: str, dt
 
 @main.command()
 @click.argument("args", nargs=-1, required=True, metavar="[PACKAGE] PROMPT")
-@click.option("--max-new-tokens", "-n", default=128, show_default=True)
+@click.option("--max-new-tokens", "-n", default=_DEFAULTS.max_new_tokens, show_default=True)
 @click.option("--temperature", "-t", default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", default=0, show_default=True, help="0 keeps all tokens.")
 @click.option("--top-p", default=1.0, show_default=True, help="1 keeps all tokens.")
-@click.option("--gamma", "-k", default=4, show_default=True,
-              help="Tokens drafted per round (the most, with --schedule adaptive/heuristic).")
-@click.option("--schedule", default="fixed", show_default=True,
-              type=click.Choice(["fixed", "heuristic", "adaptive"]),
+@click.option("--gamma", "-k", default=_DEFAULTS.gamma, show_default=True,
+              help="Draft length k: every round's (fixed), the first (heuristic), "
+                   "the most (adaptive, up to 16).")
+@click.option("--schedule", default=_DEFAULTS.schedule, show_default=True,
+              type=click.Choice(SCHEDULES),
               help="How each round's draft length is chosen.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling.")
 @click.option("--stop", multiple=True, help="Stop at this string (repeatable).")
 @click.option("--no-draft", is_flag=True, help="Decode with the target alone (the baseline).")
 @click.option("--ignore-eos", is_flag=True, help="Generate --max-new-tokens even past EOS.")
 @click.option("--provider", default="auto", show_default=True,
-              type=click.Choice(["auto", "cpu", "cuda", "tensorrt"]))
-@click.option("--draft-provider", type=click.Choice(["auto", "cpu", "cuda", "tensorrt"]),
+              type=click.Choice(PROVIDERS))
+@click.option("--draft-provider", type=click.Choice(PROVIDERS),
               help="Where the draft runs, if not where the target does.")
 @click.option("--json", "as_json", is_flag=True, help="Print text and stats as one JSON object.")
 @_user_errors
@@ -194,7 +206,7 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float, top
              no_draft: bool, ignore_eos: bool, provider: str, draft_provider: str | None,
              as_json: bool) -> None:
     """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair)."""
-    from edgespec.config import GenerationConfig, SamplingConfig
+    from edgespec.config import SamplingConfig
 
     load = _runtime().load
 
@@ -252,7 +264,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--schedule", "schedules", default="fixed", show_default=True,
               help="Draft-length schedules, comma-separated: fixed runs every --gamma; "
                    "heuristic and adaptive run once with the largest.")
-@click.option("--max-new-tokens", "-n", default=128, show_default=True)
+@click.option("--max-new-tokens", "-n", default=_DEFAULTS.max_new_tokens, show_default=True)
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
               help="Prompts, one per line (or JSON Lines of strings). "
                    "Default: the package's prompts.jsonl.")
@@ -261,7 +273,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--plot", "plot_out", type=click.Path(path_type=Path),
               help="Plot speedup against gamma to this PNG (needs matplotlib).")
 @click.option("--provider", default="auto", show_default=True,
-              type=click.Choice(["auto", "cpu", "cuda", "tensorrt"]))
+              type=click.Choice(PROVIDERS))
 @_user_errors
 def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, max_new_tokens: int,
           prompts_file: Path | None, repeats: int, json_out: Path | None,

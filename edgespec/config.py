@@ -9,6 +9,13 @@ from dataclasses import dataclass, field
 from edgespec.errors import ConfigError
 
 SCHEDULES = ("fixed", "heuristic", "adaptive")  # how the draft length k is chosen each round
+PROVIDERS = ("auto", "cpu", "cuda", "tensorrt")  # where a graph runs (runtime/providers.py)
+# What `edgespec export` offers (export/): graph builders, compute types, weight quantizations
+# and validation modes. Here, not in export/, so that the CLI lists them without importing torch.
+EXPORT_GRAPHS = ("auto", "optimum", "fused")
+EXPORT_DTYPES = ("fp32", "fp16")
+EXPORT_QUANTIZATIONS = ("int8", "int4")
+EXPORT_VALIDATIONS = ("strict", "report", "skip")
 # The most tokens a round may draft. Expected tokens per round, (1 - alpha^(k+1)) / (1 - alpha),
 # approach 1 / (1 - alpha): at alpha = 0.95, k = 64 already gets 96% of the way, so a larger k
 # only adds draft steps wasted at each rejection. It also bounds what k costs up front: the
@@ -49,12 +56,14 @@ class GenerationConfig:
     """One generation request.
 
     max_new_tokens: stop after this many generated tokens.
-    gamma: tokens the draft proposes per round (k in the papers); the most it may propose
-        with the "heuristic" and "adaptive" schedules.
-    schedule: "fixed" (always gamma), "heuristic" (transformers' +2/-1 rule) or "adaptive"
-        (k maximising expected tokens/s from measured costs; see runtime/schedule.py).
+    gamma: the draft length k (tokens the draft proposes per round), as the schedule reads it:
+        "fixed" drafts k = gamma every round; "heuristic" starts at k = gamma; "adaptive" picks
+        k in 0..min(gamma, 16) each round. The schedules take it under those names
+        (FixedSchedule(k), HeuristicSchedule(start), AdaptiveSchedule's costs up to kmax).
+    schedule: "fixed", "heuristic" (transformers' +2/-1 rule) or "adaptive" (k maximising
+        expected tokens/s from measured costs; see runtime/schedule.py).
     use_draft: False decodes with the target alone (the baseline speculative decoding must match).
-    seed: seeds the sampler; the same seed gives the same text.
+    seed: seeds the sampler; the same seed gives the same text, whatever the schedule and k.
     stop: strings that end generation; the text is cut before the first one found.
     ignore_eos: keep generating after EOS until max_new_tokens (for benchmarks: runs of equal
         length whatever they sample).

@@ -355,3 +355,25 @@ def test_qwen2_with_qkv_biases_gets_a_fused_graph(tmp_path):
     manifest = export_pair(tmp_path / "qwen2", tmp_path / "qwen2", tmp_path / "pkg")
     assert manifest.target.graph == "fused" and manifest.target.architecture == "qwen2"
     assert manifest.target.validation["max_abs_diff_no_cache"] <= 1e-4
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("missing", "has no weights"),
+    ("truncated", "is truncated"),
+    ("tokenizer", "cannot load its tokenizer"),
+])
+def test_a_broken_checkpoint_is_refused_before_any_work(checkpoints, tmp_path, damage, message):
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoints["gpt2_draft"], broken)
+    weights = broken / "model.safetensors"
+    if damage == "missing":
+        weights.unlink()
+    elif damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-100])
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "vocab.json", "merges.txt"):
+            (broken / name).unlink(missing_ok=True)
+    with pytest.raises(ExportError, match=message):
+        export_pair(checkpoints["gpt2_target"], broken, tmp_path / "out" / "pkg")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
@@ -130,3 +131,21 @@ def test_onnxruntime_logs_nothing_once_edgespec_loaded_a_package(packages):
 
     assert "Removing initializer 'unused'" in stderr("plain")  # the check can see a log line
     assert stderr("load") == ""
+
+
+def test_thread_defaults_follow_the_drafts_size():
+    from edgespec.runtime.providers import LARGE_DRAFT_PARAMETERS, default_session_configs
+
+    cores = os.cpu_count() or 1
+    target, draft = default_session_configs("cpu", draft_parameters=1_600_000)  # the demo's
+    assert (target.threads, target.spin, draft.threads, draft.spin) == (cores, True, 1, False)
+    target, draft = default_session_configs("cpu", draft_parameters=LARGE_DRAFT_PARAMETERS)
+    assert (target.threads, target.spin, draft.threads, draft.spin) == (cores, False, cores, False)
+
+
+def test_the_stats_say_which_threads_ran(packages):
+    import edgespec
+
+    stats = edgespec.load(packages["llama"]).generate("def add(a, b):", max_new_tokens=4).stats
+    assert stats.threads == {"target": os.cpu_count() or 1, "draft": 1}
+    assert stats.as_dict()["threads"] == stats.threads and stats.calibration_s == 0.0

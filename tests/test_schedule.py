@@ -27,7 +27,7 @@ def test_sampled_rounds_pay_for_the_extra_draft_run():
 
 
 def test_heuristic_grows_by_two_on_full_acceptance_and_shrinks_by_one():
-    schedule = HeuristicSchedule(gamma=4)
+    schedule = HeuristicSchedule(start=4)
     schedule.update(4, 4)
     assert schedule.next_k() == 6
     schedule.update(6, 2)

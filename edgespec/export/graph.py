@@ -25,7 +25,11 @@ def load_model(path: Path) -> PreTrainedModel:
     The graphs compute in float32 all the same: the fused builder stores the weights as they
     are behind a Cast, optimum's export upcasts the model first.
     """
-    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+    except (OSError, ValueError, RuntimeError, KeyError) as e:  # torch/transformers/safetensors
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(f"{path}: cannot load the model's weights ({first})") from None
     return model.eval()
 
 

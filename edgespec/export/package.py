@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import edgespec
+from edgespec.config import EXPORT_GRAPHS
 from edgespec.errors import ExportError
 from edgespec.export.destination import atomic_folder, check_destination
 from edgespec.export.fused import build_fused_graph, why_not_fused
@@ -39,7 +40,7 @@ from edgespec.export.validate import (
 from edgespec.manifest import Manifest, ModelSpec
 
 Progress = Callable[[str], None]
-GRAPHS = ("auto", "optimum", "fused")
+GRAPHS = EXPORT_GRAPHS
 VALIDATION_LENGTH = 32  # tokens compared against PyTorch
 
 

@@ -6,6 +6,7 @@ mean the same thing by every token id they can emit and agree on the special tok
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,57 @@ def read_checkpoint(path: Path, role: str) -> Checkpoint:
         raise ExportError(f"--{role} {path}: cannot load its tokenizer ({e})") from None
     if not tokenizer.is_fast:
         raise ExportError(f"--{role} {path}: needs a fast tokenizer (tokenizer.json)")
+    check_weights(path, role)
     return Checkpoint(path, config, tokenizer)
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def check_weights(path: Path, role: str) -> None:
+    """Refuse a checkpoint whose weights are missing or cut short, before any work.
+
+    For safetensors files the header says how many bytes of tensors follow it: a file shorter
+    than that was truncated (an interrupted download or copy).
+    """
+    found = [name for name in WEIGHT_FILES if (path / name).is_file()]
+    if not found:
+        raise ExportError(
+            f"--{role} {path} has no weights ({' or '.join(WEIGHT_FILES[::2])}); "
+            "pass the folder save_pretrained wrote"
+        )
+    shards = [path / found[0]]
+    if found[0].endswith(".index.json"):
+        try:
+            index = json.loads(shards[0].read_text())
+            shards = sorted({path / shard for shard in index["weight_map"].values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ExportError(f"--{role} {shards[0]} is not a weight index ({e})") from None
+    for shard in shards:
+        if not shard.is_file():
+            raise ExportError(f"--{role} {shard} is missing (listed in {found[0]})")
+        if shard.suffix == ".safetensors":
+            _check_safetensors(shard, role)
+
+
+def _check_safetensors(file: Path, role: str) -> None:
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if not 0 < header_len <= size - 8:
+                raise ValueError("bad header length")
+            header = json.loads(f.read(header_len))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+                  default=0)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise ExportError(f"--{role} {file} is not a valid safetensors file ({e})") from None
+    if size < 8 + header_len + end:
+        raise ExportError(
+            f"--{role} {file} is truncated ({size} of {8 + header_len + end} bytes); "
+            "download or copy it again"
+        )
 
 
 def check_pair(target: Checkpoint, draft: Checkpoint) -> int:

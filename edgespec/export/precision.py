@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from edgespec.config import EXPORT_DTYPES, EXPORT_QUANTIZATIONS
 from edgespec.export.onnx_io import save_model
 
-DTYPES = ("fp32", "fp16")
-QUANTIZATIONS = ("int8", "int4")
+DTYPES = EXPORT_DTYPES
+QUANTIZATIONS = EXPORT_QUANTIZATIONS
 QUANT_BLOCK_SIZE = 32
 _MIN_WEIGHT_SIZE = 1024  # smaller constants are not worth a Cast node
 

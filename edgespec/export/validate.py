@@ -27,11 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
+from edgespec.config import EXPORT_VALIDATIONS
 from edgespec.manifest import ModelSpec
 from edgespec.runtime.providers import SessionConfig
 from edgespec.runtime.session import ModelSession
 
-VALIDATIONS = ("strict", "report", "skip")
+VALIDATIONS = EXPORT_VALIDATIONS
 FP32_TOLERANCE = 1e-3  # measured on the demo target: 1e-6 of its largest logit
 # Lossy variants: (largest mean total variation, smallest top-1 agreement on clear positions).
 # Measured on the demo pair (trained weights, VALIDATION_TEXT), target / draft mean TV: fp16

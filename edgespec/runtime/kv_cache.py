@@ -14,6 +14,13 @@ from __future__ import annotations
 import numpy as np
 
 
+class CacheError(RuntimeError):
+    """A cache and the tokens it should cover disagree: a bug in edgespec, never bad input.
+
+    Raised, not asserted, so that the check holds under ``python -O`` too.
+    """
+
+
 class KVCache:
     """Per-layer key and value arrays ``[1, kv_heads, length, head_dim]``, in graph input order."""
 
@@ -34,7 +41,9 @@ class KVCache:
     def replace(self, presents: list[np.ndarray], added: int) -> None:
         """Take the graph's present outputs after a run that fed ``added`` new tokens."""
         expected = self.length + added
-        assert all(p.shape[2] == expected for p in presents), "present length != past + fed"
+        if any(p.shape[2] != expected for p in presents):
+            raise CacheError(f"the graph returned presents of {presents[0].shape[2]} positions "
+                             f"after a past of {self.length} and {added} fed tokens")
         self._arrays = presents
 
     def crop(self, length: int) -> None:
@@ -44,7 +53,7 @@ class KVCache:
         more positions than it has.
         """
         if not 0 <= length <= self.length:
-            raise ValueError(f"cannot crop a KV cache of length {self.length} to {length}")
+            raise CacheError(f"cannot crop a KV cache of length {self.length} to {length}")
         if length < self.length:
             self._arrays = [a[:, :, :length] for a in self._arrays]
 
@@ -91,7 +100,7 @@ class InPlaceKVCache:
         """
         needed = self._length + added
         if needed > self.limit:
-            raise ValueError(f"KV cache full: {self._length} + {added} > {self.limit} positions")
+            raise CacheError(f"KV cache full: {self._length} + {added} > {self.limit} positions")
         if needed > self.capacity:
             self._grow(min(self.limit, max(needed, 2 * self.capacity)))
 
@@ -120,5 +129,5 @@ class InPlaceKVCache:
     def crop(self, length: int) -> None:
         """Forget every position from ``length`` on (see KVCache.crop)."""
         if not 0 <= length <= self._length:
-            raise ValueError(f"cannot crop a KV cache of length {self._length} to {length}")
+            raise CacheError(f"cannot crop a KV cache of length {self._length} to {length}")
         self._length = length

@@ -110,13 +110,16 @@ class Pipeline:
                 f"the prompt has {len(prompt_ids)} tokens but the context window is {limit}; "
                 "shorten the prompt"
             )
-        stats = GenerationStats(speculative=config.use_draft)
+        threads = {role: c.threads for role, c in self.session_configs.items()}
+        stats = GenerationStats(speculative=config.use_draft, threads=threads)
         generated: list[int] = []
 
         def pieces() -> Iterator[str]:
             detok, stops = IncrementalDecoder(self.tokenizer), StopMatcher(config.stop)
             eos = set() if config.ignore_eos else set(self.manifest.eos_token_ids)
+            measured = dict(self.calibration_s)
             schedule = self._schedule(config)
+            stats.calibration_s = sum(self.calibration_s.values()) - sum(measured.values())
             rounds = decode(self.target, self.draft, prompt_ids, config, schedule, limit, eos, stats)
             for new in rounds:
                 generated.extend(new)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from edgespec.config import PROVIDERS
+
 from edgespec.errors import ConfigError
 
 PROVIDER_NAMES = {
@@ -17,7 +19,6 @@ PROVIDER_NAMES = {
     "cuda": "CUDAExecutionProvider",
     "tensorrt": "TensorrtExecutionProvider",
 }
-PROVIDERS = ("auto", *PROVIDER_NAMES)
 _FALLBACKS = {"tensorrt": ["tensorrt", "cuda", "cpu"], "cuda": ["cuda", "cpu"], "cpu": ["cpu"]}
 # Distributions that all install the one `onnxruntime` module: with two of them installed, the
 # last one written overwrote the other's files (pip install "edgespec[gpu]" brings the CPU

@@ -128,7 +128,9 @@ def verify(
     k otherwise, see ``position_token``; the distribution is the same.)
     """
     k = len(draft_tokens)
-    assert q_draft.shape[0] == k and p_target.shape[0] == k + 1, "need [k, V] and [k+1, V]"
+    if q_draft.shape[0] != k or p_target.shape[0] != k + 1:
+        raise ValueError(f"verify needs q_draft [k, V] and p_target [k+1, V] for k = {k}, got "
+                         f"{q_draft.shape} and {p_target.shape}")
     for i, x in enumerate(draft_tokens):
         p, q = p_target[i, x], q_draft[i, x]
         # q >= p: always accept. q < p: accept with probability p/q. q = 0 cannot have been

@@ -68,21 +68,21 @@ class Schedule(Protocol):
 
 
 class FixedSchedule:
-    def __init__(self, gamma: int):
-        self.gamma = gamma
+    def __init__(self, k: int):
+        self.k = k
 
     def next_k(self) -> int:
-        return self.gamma
+        return self.k
 
     def update(self, k: int, n_accepted: int) -> None:
         pass
 
 
 class HeuristicSchedule:
-    """transformers' heuristic: start at gamma, +2 if all accepted, else -1 (never below 1)."""
+    """transformers' heuristic: start at ``start``, +2 if all accepted, else -1 (never below 1)."""
 
-    def __init__(self, gamma: int, kmax: int = 32):
-        self.k, self.kmax = gamma, kmax
+    def __init__(self, start: int, kmax: int = 32):
+        self.k, self.kmax = start, kmax
 
     def next_k(self) -> int:
         return self.k

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgespec.config import GenerationConfig, SamplingConfig
-from edgespec.runtime.kv_cache import InPlaceKVCache, KVCache
+from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
 from edgespec.runtime.sampling import (
     Dist,
     PositionUniforms,
@@ -226,7 +226,9 @@ def decode(
                 draft_decoder if speculative else None,
             )
             schedule.update(0, 0)
-        assert target_decoder.cache.length == len(committed) + len(new) - 1, "cache invariant"
+        if target_decoder.cache.length != len(committed) + len(new) - 1:
+            raise CacheError(f"the target's cache covers {target_decoder.cache.length} tokens, "
+                             f"not the {len(committed) + len(new) - 1} committed before the last")
 
         ends_at_eos = next((i for i, t in enumerate(new) if t in eos_token_ids), None)
         if ends_at_eos is not None:

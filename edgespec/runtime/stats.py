@@ -33,6 +33,8 @@ class GenerationStats:
     sampling_s: float = 0.0
     total_s: float = 0.0
     finish_reason: str = ""
+    threads: dict[str, int] = field(default_factory=dict)  # intra-op threads per model
+    calibration_s: float = 0.0  # the adaptive schedule measuring costs (first use only)
 
     @classmethod
     def combined(cls, runs: Iterable[GenerationStats]) -> GenerationStats:
@@ -52,6 +54,7 @@ class GenerationStats:
                 total.draft_lengths[k] = total.draft_lengths.get(k, 0) + rounds
             total.accepted_at = _added(total.accepted_at, run.accepted_at)
             total.drafted_at = _added(total.drafted_at, run.drafted_at)
+        total.threads = runs[0].threads if runs else {}
         reasons = {r.finish_reason for r in runs}
         total.finish_reason = reasons.pop() if len(reasons) == 1 else "mixed" if reasons else ""
         return total
@@ -122,6 +125,8 @@ class GenerationStats:
                 f", acceptance {self.acceptance_rate:.0%} of {self.drafted} drafted"
                 f", {self.tokens_per_target_call:.2f} tokens/target call"
             )
+        if self.calibration_s:
+            line += f", {self.calibration_s:.1f}s measuring step costs first"
         return f"{line} ({self.finish_reason})"
 
 
