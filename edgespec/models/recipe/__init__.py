@@ -1,0 +1,28 @@
+"""The recipe that rebuilds the bundled demo pair: a small Python code model and its draft.
+
+Both models are trained from scratch on this machine's CPU, on the standard library sources of
+the running interpreter, so the recipe needs no download:
+
+1. find the corpus (stdlib ``.py`` files, no tests) and split it by file into train / held-out
+   (corpus.py);
+2. train a byte-level BPE tokenizer on the train split (tokenizer.py);
+3. train the target (``LlamaForCausalLM``, model.py) on next-token loss for ``target_minutes``
+   (train.py);
+4. distil the draft from the target, minimising KL(p || q) on its logits, for ``draft_minutes``
+   (train.py);
+5. measure both on the held-out split (evaluate.py), with the draft's expected acceptance rate
+   sum_x min(p(x), q(x)) (Leviathan et al., 2023, "Fast Inference from Transformers via
+   Speculative Decoding", section 3);
+6. save both as float16 Hugging Face checkpoints next to a training report, and export the pair
+   into an edgespec package (build.py).
+
+config.py holds RecipeConfig, every setting the steps read.
+As everywhere in edgespec, p is the target's distribution and q the draft's.
+Each training phase stops on a wall-clock budget: two runs with the same seed draw the same
+batches in the same order, but not necessarily the same number of them.
+"""
+
+from edgespec.models.recipe.build import build_demo_package
+from edgespec.models.recipe.config import ModelShape, RecipeConfig
+
+__all__ = ["ModelShape", "RecipeConfig", "build_demo_package"]

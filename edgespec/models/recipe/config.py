@@ -1,0 +1,91 @@
+"""What the recipe is given: RecipeConfig (every setting) and ModelShape (one model's shape)."""
+
+from dataclasses import dataclass
+
+from edgespec.errors import ConfigError
+from edgespec.models.recipe.tokenizer import EOS_TOKEN
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of one Llama decoder; vocabulary and context length come from RecipeConfig."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "intermediate"):
+            _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        _require(
+            self.hidden % (2 * self.heads) == 0,
+            f"hidden must be an even multiple of heads (rotary embeddings rotate pairs), "
+            f"got hidden={self.hidden}, heads={self.heads}",
+        )
+        _require(
+            self.heads % self.kv_heads == 0,
+            f"heads must be a multiple of kv_heads, got heads={self.heads}, "
+            f"kv_heads={self.kv_heads}",
+        )
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    """Everything the demo recipe depends on. The defaults take about 50 minutes on 2 cores.
+
+    Target: 8 layers x 512, 2 KV heads, tied embeddings, 21.5M parameters, ~2,200-2,500
+    tokens/s of training on an idle 2-core machine (bf16 autocast). Its size is bounded by the
+    repository budget: fp16 checkpoint plus fp16-stored ONNX graph of both models under 100 MB.
+    Draft: 2 layers x 192, 1.6M parameters, the fewest layers that can form induction heads
+    (copy an earlier identifier); at batch 1 it costs a few percent of a target step.
+    Distillation runs at ~4,500 tokens/s, bound by the target's forward pass. The budgets are
+    wall-clock: on a busy machine the models see fewer tokens, so quality drops, not time.
+    """
+
+    seed: int = 0
+    vocab_size: int = 4096
+    target: ModelShape = ModelShape(layers=8, hidden=512, heads=8, kv_heads=2, intermediate=1152)
+    draft: ModelShape = ModelShape(layers=2, hidden=192, heads=6, kv_heads=2, intermediate=512)
+    context_length: int = 512
+    batch_size: int = 8
+    target_lr: float = 1e-3
+    draft_lr: float = 3e-3
+    warmup_fraction: float = 0.05
+    weight_decay: float = 0.1
+    hard_loss_weight: float = 0.0  # draft loss = (1 - w) KL(p || q) + w cross-entropy
+    target_minutes: float = 33.0
+    draft_minutes: float = 14.0
+    heldout_fraction: float = 0.05
+
+    def __post_init__(self) -> None:
+        _require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        _require(
+            self.vocab_size > 256,
+            f"vocab_size must be > 256 (256 bytes and {EOS_TOKEN}), got {self.vocab_size}",
+        )
+        _require(
+            self.context_length >= 2, f"context_length must be >= 2, got {self.context_length}"
+        )
+        _require(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
+        for name in ("target_lr", "draft_lr", "target_minutes", "draft_minutes"):
+            _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        _require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        _require(
+            0 <= self.warmup_fraction < 1,
+            f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}",
+        )
+        _require(
+            0 <= self.hard_loss_weight <= 1,
+            f"hard_loss_weight must be in [0, 1], got {self.hard_loss_weight}",
+        )
+        _require(
+            0 < self.heldout_fraction < 1,
+            f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}",
+        )
