@@ -155,8 +155,9 @@ SETTINGS = (
     # a tiny draft's defaults (providers.default_session_configs): target spinning, draft on 1
     # thread; the costs of every run length and the sampling are measured here
     Setting("default", 1, True, tuple(range(1, KMAX + 2)), True),
+    # a large draft's defaults: the draft on every core, not spinning, the target spinning
     Setting("draft-all-cores", 0, True, (1,), False),
-    # a large draft's defaults: both sessions on every core, neither spinning
+    # both on every core, neither spinning (the draft's step when nothing spins beside it)
     Setting("target-no-spin", 0, False, (1,), False),
 )
 

@@ -140,7 +140,7 @@ def test_thread_defaults_follow_the_drafts_size():
     target, draft = default_session_configs("cpu", draft_parameters=1_600_000)  # the demo's
     assert (target.threads, target.spin, draft.threads, draft.spin) == (cores, True, 1, False)
     target, draft = default_session_configs("cpu", draft_parameters=LARGE_DRAFT_PARAMETERS)
-    assert (target.threads, target.spin, draft.threads, draft.spin) == (cores, False, cores, False)
+    assert (target.threads, target.spin, draft.threads, draft.spin) == (cores, True, cores, False)
 
 
 def test_the_stats_say_which_threads_ran(packages):

@@ -78,24 +78,25 @@ def default_session_configs(
 ) -> tuple[SessionConfig, SessionConfig]:
     """(target, draft) settings that do not fight over a small CPU, by the draft's size.
 
-    A tiny draft (the demo's 1.6M parameters) runs on one thread, as fast as on several, and has
-    no worker threads to spin; the target gets every core and spinning workers, which answer its
-    next run sooner. Measured on 2 cores with the demo pair: with two spinning threads on both
-    sessions, speculation ran at 0.6-0.8x of target-only; with the draft on one thread, target
-    spinning raised target-only decoding from 363 to 435 tokens/s and speculative (k=8) from 948
-    to 1059.
+    The target always gets every core and spinning workers, which answer its next run sooner
+    (on 2 cores: the demo target 363 -> 435 tokens/s; a Qwen2.5-1.5B-shaped step 190 -> 147 ms,
+    a SmolLM2-360M-shaped one 43 -> 41 ms).
+
+    A tiny draft (the demo's 1.6M parameters) runs on one thread, as fast as on several, with
+    no worker threads to spin: with two spinning threads on both sessions the demo pair ran at
+    0.6-0.8x of target-only, with the draft on one thread speculative k=8 went 948 -> 1059
+    tokens/s.
 
     A real draft (``draft_parameters`` >= LARGE_DRAFT_PARAMETERS: SmolLM2-135M, Qwen2.5-0.5B)
-    is memory-bound like its target, and one thread leaves half its speed unused on 2 cores
-    (SmolLM2-135M fp32: 53 -> 29 ms a step; Qwen2.5-0.5B: 166 -> 94 ms). Both sessions then get
-    every core and neither spins, so that each has the cores to itself while it runs.
+    is memory-bound like its target and one thread leaves most of its speed unused: it gets
+    every core, not spinning (random weights with the public shapes, 2 cores, next to the
+    spinning target: SmolLM2-135M 29.0 -> 24.9 ms a step, Qwen2.5-0.5B 93.3 -> 75.5 ms;
+    ``python benchmarks/real_shapes.py run``, results in benchmarks/RESULTS.md).
     """
     cores = os.cpu_count() or 1
-    draft_provider = draft_provider or provider
-    if draft_parameters >= LARGE_DRAFT_PARAMETERS:
-        return (SessionConfig(provider, threads=cores, spin=False),
-                SessionConfig(draft_provider, threads=cores, spin=False))
-    return SessionConfig(provider, threads=cores, spin=True), SessionConfig(draft_provider, threads=1)
+    target = SessionConfig(provider, threads=cores, spin=True)
+    draft_threads = cores if draft_parameters >= LARGE_DRAFT_PARAMETERS else 1
+    return target, SessionConfig(draft_provider or provider, threads=draft_threads, spin=False)
 
 
 def provider_chain(config: SessionConfig) -> tuple[list, str | None]:
