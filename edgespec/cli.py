@@ -159,18 +159,24 @@ def main() -> None:
               help="fp16 computes in half precision (for GPUs).")
 @click.option("--quantize", type=click.Choice(EXPORT_QUANTIZATIONS),
               help="Block-wise weight-only quantization of the weights (embedding included).")
+@click.option("--draft-quantize", type=click.Choice(["same", "none", *EXPORT_QUANTIZATIONS]),
+              default="same", show_default=True,
+              help="The draft's own quantization (its precision changes speed, never the "
+                   "output): none keeps it at --dtype.")
 @click.option("--validate", "validation", type=click.Choice(EXPORT_VALIDATIONS),
               default="strict", show_default=True,
               help="strict: a graph that fails validation stops the export; report: write the "
                    "package anyway and record the figures; skip: no validation.")
 @_user_errors
 def export(target: Path, draft: Path, out: Path, overwrite: bool, graph: str, dtype: str,
-           quantize: str | None, validation: str) -> None:
+           quantize: str | None, draft_quantize: str, validation: str) -> None:
     """Export a target/draft pair to one ONNX package (needs edgespec[export])."""
     exporter = _needs_export_extra("edgespec.export")
     manifest = exporter.export_pair(target, draft, out, overwrite, dtype, quantize, graph,
                                     progress=lambda line: click.echo(line, err=True),
-                                    validation=validation)
+                                    validation=validation,
+                                    draft_quantize=None if draft_quantize == "none" else
+                                    draft_quantize)
     click.echo(
         f"wrote {out}: target {manifest.target.parameters / 1e6:.1f}M and draft "
         f"{manifest.draft.parameters / 1e6:.1f}M parameters, vocabulary {manifest.vocab_size}, "

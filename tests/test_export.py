@@ -377,3 +377,23 @@ def test_a_broken_checkpoint_is_refused_before_any_work(checkpoints, tmp_path, d
     with pytest.raises(ExportError, match=message):
         export_pair(checkpoints["gpt2_target"], broken, tmp_path / "out" / "pkg")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
+
+
+def test_a_quantized_draft_beside_an_exact_target_keeps_greedy_output(checkpoints, tmp_path):
+    """Self-speculation: the target with an int4 copy of itself as the draft."""
+    import edgespec
+
+    manifest = export_pair(checkpoints["llama_target"], checkpoints["llama_target"],
+                           tmp_path / "p", draft_quantize="int4")
+    assert manifest.target.quantization is None and manifest.draft.quantization == "int4"
+    assert manifest.target.validation["variant"] == "fp32"
+    assert manifest.draft.validation["variant"] == "int4"
+    pipe = edgespec.load(tmp_path / "p")
+    for prompt in ("def add(a, b):", "The quick brown"):
+        baseline = pipe.generate(prompt, max_new_tokens=32, use_draft=False).token_ids
+        result = pipe.generate(prompt, max_new_tokens=32, gamma=4)
+        assert result.token_ids == baseline
+        assert result.stats.drafted > 0
+    with pytest.raises(ExportError, match="--draft-quantize must be one of"):
+        export_pair(checkpoints["llama_target"], checkpoints["llama_target"], tmp_path / "q",
+                    draft_quantize="int3")

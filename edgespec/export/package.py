@@ -54,6 +54,7 @@ def export_pair(
     graph: str = "auto",
     progress: Progress | None = None,
     validation: str = "strict",
+    draft_quantize: str | None = "same",
 ) -> Manifest:
     """Export a target/draft pair of Hugging Face causal LMs into the package folder ``out``.
 
@@ -66,6 +67,10 @@ def export_pair(
     progress: receives one line as each step starts and ends.
     validation: "strict" (a graph that fails validation stops the export), "report" (the
         package is written and the figures and failures recorded) or "skip".
+    draft_quantize: the draft's own quantization, "same" (as ``quantize``), None, "int8" or
+        "int4". The draft's precision never changes the output, only how often its tokens are
+        accepted, so a quantized draft beside an exact target is safe; a checkpoint paired with
+        itself this way is self-speculation with a quantized copy.
     """
     out = Path(out)
     if dtype not in DTYPES:
@@ -78,7 +83,13 @@ def export_pair(
         raise ExportError(f"--graph must be one of {', '.join(GRAPHS)}, got {graph!r}")
     if validation not in VALIDATIONS:
         raise ExportError(f"--validate must be one of {', '.join(VALIDATIONS)}, got {validation!r}")
-    variant = quantize or dtype
+    draft_quantize = quantize if draft_quantize == "same" else draft_quantize
+    if draft_quantize not in (None, *QUANTIZATIONS):
+        raise ExportError(f"--draft-quantize must be one of none, {', '.join(QUANTIZATIONS)}, "
+                          f"got {draft_quantize!r}")
+    if draft_quantize and dtype != "fp32":
+        raise ExportError("--draft-quantize works on fp32 graphs; drop --dtype fp16")
+    variants = {"target": quantize or dtype, "draft": draft_quantize or dtype}
     report = _Steps(progress or (lambda line: None), total=4)
     out = check_destination(out, overwrite)
 
@@ -91,7 +102,8 @@ def export_pair(
         specs = {}
         for role, ckpt in (("target", target_ckpt), ("draft", draft_ckpt)):
             with report.step(f"exporting and validating the {role} ({ckpt.path})"):
-                specs[role] = _export_model(ckpt, tmp, role, variant, graph, validation, report)
+                specs[role] = _export_model(ckpt, tmp, role, variants[role], graph, validation,
+                                            report)
         with report.step("writing tokenizer and manifest"):
             manifest = _write_package(tmp, target_ckpt, draft_ckpt, specs, vocab_size)
     return manifest
