@@ -7,6 +7,8 @@ distributions, the same greedy tokens, and tokens distributed exactly as p.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import itertools
 from dataclasses import replace
 
@@ -91,6 +93,39 @@ temperatures = st.sampled_from([1e-310, 1e-40, 1e-30, 0.05, 0.3, 0.7, 1.0, 2.5, 
 def test_fast_rows_are_the_reference_distribution(logits, temperature, top_k, top_p):
     assume(np.isfinite(logits.max()))  # at least one token possible
     assert_same_distribution(logits, SamplingConfig(temperature, top_k, top_p))
+
+
+@contextmanager
+def wide_nucleus_only():
+    """Every top-p row through the histogram path, however small its nucleus."""
+    limit = sampling._SORT_LIMIT
+    sampling._SORT_LIMIT = -1
+    try:
+        yield
+    finally:
+        sampling._SORT_LIMIT = limit
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    logits=st.integers(1, 40).flatmap(
+        lambda n: arrays(np.float32, n, elements=logit_values | tied_values)
+    ),
+    temperature=temperatures,
+    top_p=st.floats(0.01, 0.999) | st.sampled_from([0.25, 0.5, 0.75, 0.9]),
+)
+def test_the_histogram_nucleus_is_the_reference_nucleus(logits, temperature, top_p):
+    assume(np.isfinite(logits.max()))
+    with wide_nucleus_only():
+        assert_same_distribution(logits, SamplingConfig(temperature, 0, top_p))
+
+
+def test_the_histogram_nucleus_keeps_ties_and_is_strict():
+    weights = np.array([1.0, 4.0, 2.0, 1.0], dtype=np.float32)  # p = 1/8, 1/2, 1/4, 1/8
+    x = np.log2(weights)
+    with wide_nucleus_only():
+        kept = {p: sampling._nucleus(None, x, weights, p)[0].tolist() for p in (0.5, 0.75, 0.76)}
+    assert kept == {0.5: [1], 0.75: [1, 2], 0.76: [0, 1, 2, 3]}
 
 
 @settings(max_examples=200, deadline=None)

@@ -40,6 +40,9 @@ from edgespec.config import SamplingConfig
 _F32_MAX = float(np.finfo(np.float32).max)
 # Candidate threshold for top-p, relative to the likeliest token (weight 1): within ~8.3 nats.
 _NUCLEUS_TAU = 2.0**-12
+# More candidates than this (or too little mass in them): the histogram path, not a sort.
+_SORT_LIMIT = 4096
+_NUCLEUS_BINS = 4096
 # Rows longer than this draw by inverse CDF in blocks (sums per block, then one block's cumsum).
 _CDF_BLOCK = 2048
 
@@ -258,26 +261,53 @@ def _nucleus(
     Kept: the tokens where the mass strictly likelier than them is < top_p, and the ties of the
     last one kept. Likelier means a larger logit: float32 exps can round distinct logits to
     one weight (at T = 1e6, say), which would make ties that the reference does not have.
-    Only candidates are sorted, the tokens with weight >= tau: if their mass reaches top_p
-    they hold the whole nucleus (it is the smallest top set reaching top_p, and they are a top
-    set). tau = 2^-12 first, then the tau below which all tokens together hold less than
-    1 - top_p (so the candidates must reach top_p), then every token.
+    Usually the nucleus is small: the candidates with weight >= 2^-12 hold it when their mass
+    reaches top_p (it is the smallest top set reaching top_p, and they are a top set), and only
+    they are sorted. Otherwise (near-flat rows, where the nucleus is most of the vocabulary)
+    ``_wide_nucleus`` finds the edge without sorting the row.
     """
     total = np.float64(weights.sum())
-    guaranteed = total * (1.0 - top_p) / len(weights)
-    for tau in (*sorted({_NUCLEUS_TAU, guaranteed}, reverse=True), None):
-        cand = np.flatnonzero(weights >= tau) if tau is not None else np.arange(len(weights))
-        x_cand, w_cand = x[cand], weights[cand]
-        probs = np.sort(w_cand)[::-1] / total  # float64, likeliest first
-        mass_through = np.cumsum(probs)
-        if tau is None or mass_through[-1] >= top_p:
-            break
-    kept = np.count_nonzero(mass_through - probs < top_p)  # >= 1
+    cand = np.flatnonzero(weights >= _NUCLEUS_TAU)
+    w_cand = weights[cand]
+    if len(cand) > _SORT_LIMIT or w_cand.sum(dtype=np.float64) < top_p * total:
+        keep = _wide_nucleus(x, weights, top_p * total)
+        kept = np.flatnonzero(keep)
+        return (kept if ids is None else ids[kept]), weights[kept].astype(np.float64)
+    x_cand = x[cand]
+    probs = np.sort(w_cand)[::-1] / total  # float64, likeliest first
+    kept = np.count_nonzero(np.cumsum(probs) - probs < top_p)  # >= 1
     # The weights are a monotone function of the logits: both sorted, they line up.
     last_kept = np.sort(x_cand)[::-1][kept - 1]
     keep = x_cand >= last_kept  # ties of the last kept too
     kept_ids = cand[keep] if ids is None else ids[cand[keep]]  # ascending
     return kept_ids, w_cand[keep].astype(np.float64)
+
+
+def _wide_nucleus(x: np.ndarray, weights: np.ndarray, target: float) -> np.ndarray:
+    """The nucleus of a whole row as a mask, by a histogram of the logits instead of a sort.
+
+    Tokens fall into _NUCLEUS_BINS bins by logit (a monotone map, so ties share a bin and a
+    higher bin holds only likelier tokens); the bins' masses, summed from the top, name the bin
+    b where the mass reaches ``target`` (top_p times the total weight). Every token of a higher
+    bin is kept (less than ``target`` is likelier than it), none of a lower one; only bin b's
+    few tokens are sorted, to apply the rule and the ties among them.
+    """
+    lo, hi = float(x[weights > 0].min()), float(x.max())  # the tokens that can be drawn
+    if hi == lo:
+        return x >= hi  # every token that can be drawn is tied with the likeliest
+    # -inf logits (and weights that underflowed to 0) join the lowest bin, with no mass
+    clipped = np.maximum(x, np.float32(lo))
+    bins = ((clipped - np.float32(lo)) * ((_NUCLEUS_BINS - 1) / (hi - lo))).astype(np.intp)
+    mass = np.bincount(bins, weights=weights, minlength=_NUCLEUS_BINS)  # float64
+    at_or_above = np.cumsum(mass[::-1])[::-1]
+    edge = int(np.count_nonzero(at_or_above >= target)) - 1  # the highest bin reaching target
+    edge = max(edge, 0)
+    in_edge = np.flatnonzero(bins == edge)
+    order = in_edge[np.argsort(-x[in_edge], kind="stable")]  # likeliest first
+    w = weights[order].astype(np.float64)
+    before = (at_or_above[edge] - mass[edge]) + np.cumsum(w) - w
+    kept = max(1, int(np.count_nonzero(before < target)))
+    return (bins > edge) | ((bins == edge) & (x >= x[order[kept - 1]]))
 
 
 def _inverse_cdf(weights: np.ndarray, u: float) -> int:
