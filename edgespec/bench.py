@@ -57,13 +57,15 @@ class BenchConfig:
 
 
 def expected_speedup(alpha: float, k: int, draft_ms: float, verify_ms: float,
-                     step_ms: float) -> float:
+                     step_ms: float, sampled: bool = False) -> float:
     """Leviathan et al.'s expected speedup with measured costs.
 
     expected_tokens(alpha, k) tokens per round, at the cost of k draft steps and one target
-    run on k+1 tokens, against one target step per token.
+    run on k+1 tokens, against one target step per token. A sampled round that accepts all k
+    (probability alpha^k) runs the draft once more (runtime/speculative.py).
     """
-    return expected_tokens(alpha, k) * step_ms / (k * draft_ms + verify_ms)
+    draft_runs = k + (alpha**k if sampled else 0.0)
+    return expected_tokens(alpha, k) * step_ms / (draft_runs * draft_ms + verify_ms)
 
 
 @dataclass
@@ -153,7 +155,7 @@ def _summarise(temperature: float, schedule: str, gamma: int, pairs: list) -> Ro
     verify_ms = 1e3 * spec.target_s / spec.target_calls
     # the formula assumes k fixed; for the adaptive schedules it is left out
     expected = (
-        expected_speedup(spec.alpha, gamma, draft_ms, verify_ms, step_ms)
+        expected_speedup(spec.alpha, gamma, draft_ms, verify_ms, step_ms, temperature > 0)
         if schedule == "fixed" else None
     )
     return Row(

@@ -21,6 +21,9 @@ def test_expected_speedup_is_leviathans_formula():
         3.3616 * 10 / 14)
     assert expected_speedup(1.0, 1, 0.5, 10, 10) == pytest.approx(2 * 10 / 10.5)
     assert expected_speedup(0.0, 1, 0.5, 10, 10) == pytest.approx(10 / 10.5)
+    # sampled: a fully accepted round (alpha^k of them) runs the draft once more
+    assert expected_speedup(1.0, 1, 0.5, 10, 10, sampled=True) == pytest.approx(2 * 10 / 11)
+    assert expected_speedup(0.0, 1, 0.5, 10, 10, sampled=True) == pytest.approx(10 / 10.5)
 
 
 def test_alpha_counts_only_the_draft_tokens_verification_looked_at():
