@@ -397,3 +397,30 @@ def test_a_quantized_draft_beside_an_exact_target_keeps_greedy_output(checkpoint
     with pytest.raises(ExportError, match="--draft-quantize must be one of"):
         export_pair(checkpoints["llama_target"], checkpoints["llama_target"], tmp_path / "q",
                     draft_quantize="int3")
+
+
+def test_a_tied_int4_table_is_stored_once_and_read_by_both_ends(tmp_path):
+    import onnx
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import edgespec
+
+    bpe = _hf_tokenizer(_train_bpe(400))
+    torch.manual_seed(16)
+    config = LlamaConfig(vocab_size=len(bpe), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=True,
+                         bos_token_id=0, eos_token_id=0)
+    _save(LlamaForCausalLM(config).eval(), bpe, tmp_path / "tied")
+    manifest = export_pair(tmp_path / "tied", tmp_path / "tied", tmp_path / "p", quantize="int4")
+    model = onnx.load(str(tmp_path / "p" / "target" / "model.onnx"))
+    (gather,) = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+    (head,) = [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.output[0] == "logits"]
+    assert not [i.name for i in model.graph.initializer if i.name.startswith("embed")]
+    (reshape,) = [n for n in model.graph.node if n.output[0] == gather.input[0]]
+    assert reshape.input[0] == head.input[1]  # the output layer's table, read by the Gather
+    assert model.ir_version == 8  # no int4-typed tensor left: the graph loads where IR 8 does
+    assert manifest.target.validation["mean_tv"] <= manifest.target.validation["max_mean_tv"]
+    pipe = edgespec.load(tmp_path / "p")
+    baseline = pipe.generate("def add(a, b):", max_new_tokens=24, use_draft=False).token_ids
+    assert pipe.generate("def add(a, b):", max_new_tokens=24, gamma=3).token_ids == baseline

@@ -70,10 +70,10 @@ def build_fused_graph(model: PreTrainedModel, folder: Path, keep_precision: bool
     if reason:
         raise ExportError(f"cannot build a fused graph: {reason}; use --graph optimum")
     folder.mkdir(parents=True)
-    tie = keep_precision and _tied(model)
+    tie = keep_precision and is_tied(model)
     stored_bytes = sum(p.numel() * (p.element_size() if keep_precision else 4)
                        for p in model.parameters())
-    if _tied(model) and not tie:  # the output layer gets its own copy of the table
+    if is_tied(model) and not tie:  # the output layer gets its own copy of the table
         stored_bytes += model.get_input_embeddings().weight.numel() * 4
     with WeightStore(folder, external=stored_bytes > EXTERNAL_ABOVE,
                      keep_precision=keep_precision) as store:
@@ -82,7 +82,7 @@ def build_fused_graph(model: PreTrainedModel, folder: Path, keep_precision: bool
     return store.counts
 
 
-def _tied(model: PreTrainedModel) -> bool:
+def is_tied(model: PreTrainedModel) -> bool:
     """Whether lm_head is the embedding table itself (then it is stored once)."""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     return head is not None and head.weight.data_ptr() == embed.weight.data_ptr()

@@ -20,7 +20,7 @@ import edgespec
 from edgespec.config import EXPORT_GRAPHS
 from edgespec.errors import ExportError
 from edgespec.export.destination import atomic_folder, check_destination
-from edgespec.export.fused import build_fused_graph, why_not_fused
+from edgespec.export.fused import build_fused_graph, is_tied, why_not_fused
 from edgespec.export.graph import describe_graph, export_graph, load_model
 from edgespec.export.onnx_io import pin_ir_version
 from edgespec.export.precision import (
@@ -132,6 +132,7 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
         stored = {}
     about = {"architecture": model.config.model_type,
              "parameters": sum(p.numel() for p in model.parameters())}
+    tied = graph == "fused" and is_tied(model)  # one int4 table for embedding and output
     ids = validation_ids(ckpt.tokenizer, ckpt.vocab_size,
                          min(VALIDATION_LENGTH, ckpt.max_positions))
     if validation != "skip":
@@ -145,7 +146,7 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
         convert_fp16(folder)
     elif variant in QUANTIZATIONS:
         report.detail(f"quantizing the weights to {variant}")
-        quantize_weights(folder, bits=int(variant[3:]))
+        quantize_weights(folder, bits=int(variant[3:]), tied=tied)
     elif graph == "optimum":
         stored = store_exact_halves(folder)
     spec = replace(describe_graph(folder, root, **about), graph=graph, stored=dict(stored),

@@ -84,7 +84,7 @@ def convert_fp16(folder: Path) -> None:
     _save(convert_float_to_float16(_load(folder), keep_io_types=False), folder)
 
 
-def quantize_weights(folder: Path, bits: int) -> None:
+def quantize_weights(folder: Path, bits: int, tied: bool = False) -> None:
     """Block-wise symmetric weight-only quantization of every MatMul and the embedding table.
 
     MatMuls become MatMulNBits, the embedding Gather becomes GatherBlockQuantized (blocks along
@@ -102,7 +102,56 @@ def quantize_weights(folder: Path, bits: int) -> None:
     )
     with quiet(log), np.errstate(divide="ignore", invalid="ignore"):  # all-zero blocks: scale 0
         quantizer.process()
-    _save(quantizer.model.model, folder)
+    model = quantizer.model.model
+    if tied and bits == 4:
+        share_tied_table(model)
+    _save(model, folder)
+
+
+def share_tied_table(model) -> bool:
+    """Let the embedding Gather read the output layer's int4 table: a tied table stored once.
+
+    The output layer's MatMulNBits holds W^T = the embedding table quantized in blocks along the
+    hidden axis, [V, H/32 blocks, 16 bytes], 4-bit values biased by 8, low nibble first: the
+    layout GatherBlockQuantized reads from uint8 data [V, H/2] with its default zero point 8.
+    So the Gather's own int4 copy is dropped and it reads the same bytes through a Reshape.
+    Returns whether the graph was changed (a fused graph with a quantized head and embedding).
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = model.graph
+    gather = next((n for n in graph.node if n.op_type == "GatherBlockQuantized"), None)
+    head = next((n for n in graph.node if n.op_type == "MatMulNBits" and n.output[0] == "logits"),
+                None)
+    if gather is None or head is None or len(head.input) > 3:  # zero points: not symmetric
+        return False
+    inits = {i.name: i for i in graph.initializer}
+    table, scales = inits[head.input[1]], inits[head.input[2]]
+    attrs = {a.name: helper.get_attribute_value(a) for a in head.attribute}
+    vocab, hidden, block = attrs["N"], attrs["K"], attrs["block_size"]
+    shape = numpy_helper.from_array(np.array([vocab, hidden // 2], dtype=np.int64), "tied.shape")
+    scale_shape = numpy_helper.from_array(np.array([vocab, hidden // block], dtype=np.int64),
+                                          "tied.scale_shape")
+    graph.initializer.extend([shape, scale_shape])
+    reshape = helper.make_node("Reshape", [table.name, shape.name], ["tied.table"])
+    reshape_scales = helper.make_node("Reshape", [scales.name, scale_shape.name], ["tied.scales"])
+    shared = helper.make_node(
+        "GatherBlockQuantized", ["tied.table", gather.input[1], "tied.scales"], list(gather.output),
+        name=gather.name, domain="com.microsoft", bits=4, block_size=block, gather_axis=0,
+        quantize_axis=1,
+    )
+    dropped = set(gather.input[2:]) | {gather.input[0]}
+    position = list(graph.node).index(gather)
+    graph.node.remove(gather)
+    for offset, node in enumerate((reshape, reshape_scales, shared)):
+        graph.node.insert(position + offset, node)
+    for name in dropped:
+        graph.initializer.remove(inits[name])
+    if not any(i.data_type in (TensorProto.INT4, TensorProto.UINT4) for i in graph.initializer):
+        for opset in model.opset_import:  # the quantizer raised it to 21 for the int4 type only
+            if opset.domain in ("", "ai.onnx"):
+                opset.version = min(opset.version, 17)
+    return True
 
 
 def _load(folder: Path):
