@@ -18,6 +18,7 @@ import pytest
 from edgespec.models import demo_package
 
 REPO = Path(__file__).resolve().parents[1]
+TIED = REPO / "checkpoints" / "demo" / "target"  # tied embeddings: one int4 table
 PIP_LIMITS = ["--timeout", "15", "--retries", "1"]  # offline: fail in seconds, not minutes
 NETWORK_ERRORS = ("NewConnectionError", "Failed to establish a new connection",
                   "Temporary failure in name resolution", "Network is unreachable",
@@ -78,7 +79,10 @@ def test_the_floor_onnxruntime_gives_the_same_greedy_tokens(floor_python, packag
 
     int4 = tmp_path / "int4"
     export_pair(checkpoints["llama_target"], checkpoints["llama_noisy"], int4, quantize="int4")
-    paths = [str(demo_package()), str(packages["llama"]), str(packages["llama_noisy"]), str(int4)]
+    tied = tmp_path / "tied-int4"  # one int4 table read by GatherBlockQuantized and MatMulNBits
+    export_pair(TIED, TIED, tied, quantize="int4")
+    paths = [str(demo_package()), str(packages["llama"]), str(packages["llama_noisy"]), str(int4),
+             str(tied)]
     floor, current = greedy_ids(floor_python, paths), greedy_ids(sys.executable, paths)
     assert floor.pop("onnxruntime") == declared_floor()
     current.pop("onnxruntime")

@@ -113,7 +113,8 @@ def share_tied_table(model) -> bool:
 
     The output layer's MatMulNBits holds W^T = the embedding table quantized in blocks along the
     hidden axis, [V, H/32 blocks, 16 bytes], 4-bit values biased by 8, low nibble first: the
-    layout GatherBlockQuantized reads from uint8 data [V, H/2] with its default zero point 8.
+    layout GatherBlockQuantized reads from uint8 data [V, H/2] with its default zero point 8
+    (uint8 data: onnxruntime >= 1.22, the declared floor).
     So the Gather's own int4 copy is dropped and it reads the same bytes through a Reshape.
     Returns whether the graph was changed (a fused graph with a quantized head and embedding).
     """
@@ -137,8 +138,8 @@ def share_tied_table(model) -> bool:
     reshape_scales = helper.make_node("Reshape", [scales.name, scale_shape.name], ["tied.scales"])
     shared = helper.make_node(
         "GatherBlockQuantized", ["tied.table", gather.input[1], "tied.scales"], list(gather.output),
-        name=gather.name, domain="com.microsoft", bits=4, block_size=block, gather_axis=0,
-        quantize_axis=1,
+        name=gather.name, domain="com.microsoft", block_size=block, gather_axis=0,
+        quantize_axis=1,  # bits: the default, 4 (onnxruntime < 1.23 refuses the attribute)
     )
     dropped = set(gather.input[2:]) | {gather.input[0]}
     position = list(graph.node).index(gather)
