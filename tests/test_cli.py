@@ -202,3 +202,13 @@ def test_an_unavailable_provider_falls_back_to_cpu_with_one_warning(packages):
     with pytest.warns(UserWarning, match="running on CPU"):
         pipe = edgespec.load(packages["gpt2"], provider="cuda")
     assert pipe.target.providers == ["CPUExecutionProvider"]
+
+
+def test_the_command_line_starts_without_the_heavy_imports():
+    """Ctrl-C is handled from the CLI's first lines: onnxruntime, numpy and torch load later,
+    while signals wait (an import interrupted half-way can crash the interpreter)."""
+    code = ("import sys, edgespec, edgespec.cli; "
+            "print(sorted(m for m in ('onnxruntime', 'numpy', 'torch', 'tokenizers') "
+            "if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]"
