@@ -41,3 +41,9 @@ def test_combined_runs_that_ended_differently_and_target_only_runs():
     total = GenerationStats.combined([a, b])
     assert not total.speculative and total.new_tokens == 8 and total.finish_reason == "mixed"
     assert total.per_position_acceptance == [] and total.alpha == 0.0
+
+
+def test_other_time_is_what_the_runs_and_the_sampling_leave():
+    stats = GenerationStats(speculative=True, total_s=1.0, prefill_s=0.2, draft_s=0.1,
+                            target_s=0.4, sampling_s=0.05)
+    assert stats.other_s == pytest.approx(0.25) and stats.as_dict()["other_s"] == stats.other_s

@@ -101,6 +101,12 @@ class GenerationStats:
         return self.total_s - self.prefill_s
 
     @property
+    def other_s(self) -> float:
+        """Decoding time outside the draft's and target's runs and the sampling: the loop's own
+        Python (feeds, bookkeeping, text), which a C++ loop would mostly save."""
+        return max(0.0, self.decode_s - self.draft_s - self.target_s - self.sampling_s)
+
+    @property
     def tokens_per_s(self) -> float:
         """Generated tokens per second of decoding (the prompt's prefill not counted)."""
         return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
@@ -112,6 +118,7 @@ class GenerationStats:
             "per_position_acceptance": self.per_position_acceptance,
             "tokens_per_target_call": self.tokens_per_target_call,
             "decode_s": self.decode_s,
+            "other_s": self.other_s,
             "tokens_per_s": self.tokens_per_s,
         }
         counters = {k: v for k, v in vars(self).items() if k not in ("accepted_at", "drafted_at")}
