@@ -22,6 +22,7 @@ from edgespec.config import (
     PROVIDERS,
     SCHEDULES,
     GenerationConfig,
+    SamplingConfig,
 )
 from edgespec.errors import EdgespecError
 
@@ -212,8 +213,6 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float, top
              no_draft: bool, ignore_eos: bool, provider: str, draft_provider: str | None,
              as_json: bool) -> None:
     """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair)."""
-    from edgespec.config import SamplingConfig
-
     load = _runtime().load
 
     if len(args) > 2:

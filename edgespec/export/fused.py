@@ -70,10 +70,11 @@ def build_fused_graph(model: PreTrainedModel, folder: Path, keep_precision: bool
     if reason:
         raise ExportError(f"cannot build a fused graph: {reason}; use --graph optimum")
     folder.mkdir(parents=True)
-    tie = keep_precision and is_tied(model)
+    tied = is_tied(model)
+    tie = keep_precision and tied
     stored_bytes = sum(p.numel() * (p.element_size() if keep_precision else 4)
                        for p in model.parameters())
-    if is_tied(model) and not tie:  # the output layer gets its own copy of the table
+    if tied and not tie:  # the output layer gets its own copy of the table
         stored_bytes += model.get_input_embeddings().weight.numel() * 4
     with WeightStore(folder, external=stored_bytes > EXTERNAL_ABOVE,
                      keep_precision=keep_precision) as store:

@@ -117,9 +117,9 @@ class Pipeline:
         def pieces() -> Iterator[str]:
             detok, stops = IncrementalDecoder(self.tokenizer), StopMatcher(config.stop)
             eos = set() if config.ignore_eos else set(self.manifest.eos_token_ids)
-            measured = dict(self.calibration_s)
-            schedule = self._schedule(config)
-            stats.calibration_s = sum(self.calibration_s.values()) - sum(measured.values())
+            before = sum(self.calibration_s.values())
+            schedule = self._schedule(config)  # the adaptive one may measure costs first
+            stats.calibration_s = sum(self.calibration_s.values()) - before
             rounds = decode(self.target, self.draft, prompt_ids, config, schedule, limit, eos, stats)
             for new in rounds:
                 generated.extend(new)

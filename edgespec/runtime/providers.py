@@ -11,7 +11,6 @@ from pathlib import Path
 import onnxruntime as ort
 
 from edgespec.config import PROVIDERS
-
 from edgespec.errors import ConfigError
 
 PROVIDER_NAMES = {
