@@ -20,6 +20,7 @@ from pathlib import Path
 from edgespec.config import SCHEDULES, GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError, EdgespecError
 from edgespec.manifest import PROMPTS_NAME
+from edgespec.runtime.machine import describe, machine_info
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.runtime.schedule import expected_tokens
 from edgespec.runtime.stats import GenerationStats
@@ -95,6 +96,12 @@ class BenchReport:
     config: BenchConfig
     rows: list[Row] = field(default_factory=list)
     prompts: int = 0
+    # what the ratios were measured on (runtime/machine.py), the sessions' settings and the
+    # command: ratios from machines with other caches or cores are not comparable
+    machine: dict = field(default_factory=dict)
+    sessions: dict = field(default_factory=dict)
+    package: str = ""
+    command: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -105,6 +112,7 @@ def run_bench(
     prompts: list[str],
     config: BenchConfig,
     progress: Callable[[int], None] | None = None,
+    command: str = "",
 ) -> BenchReport:
     """Interleave target-only and speculative runs of every prompt; ``progress(n)`` after n runs.
 
@@ -116,8 +124,12 @@ def run_bench(
     if not prompts:
         raise EdgespecError("no prompts to benchmark; give at least one")
     progress = progress or (lambda n: None)
+    machine = machine_info()  # the load average before this process adds to it
     pipe.generate(prompts[0], max_new_tokens=8)  # warm both sessions up
-    report = BenchReport(config, prompts=len(prompts))
+    sessions = {role: {**asdict(c), "providers": s.providers} for (role, c), s
+                in zip(pipe.session_configs.items(), (pipe.target, pipe.draft))}
+    report = BenchReport(config, prompts=len(prompts), machine=machine, sessions=sessions,
+                         package=str(pipe.path), command=command)
     done = 0
     for temperature in config.temperatures:
         sampling = SamplingConfig(temperature)
@@ -221,7 +233,12 @@ def check_plotting(path: Path) -> None:
 
 
 def format_table(report: BenchReport) -> str:
+    threads = ", ".join(f"{role} {s['threads'] or 'all'} thread(s)"
+                        f"{' spinning' if s['spin'] else ''} on {s['providers'][0]}"
+                        for role, s in report.sessions.items())
     lines = [
+        f"machine: {describe(report.machine)}" if report.machine else "machine: not recorded",
+        f"sessions: {threads}" if threads else "sessions: not recorded",
         f"{report.prompts} prompts x {report.config.repeats} repeats, "
         f"{report.config.max_new_tokens} new tokens; medians; costs in ms per run, measured in "
         "the same runs (target step: target-only runs; draft step and verify of k+1 tokens: "

@@ -7,6 +7,7 @@ import functools
 import importlib
 import json
 import os
+import shlex
 import signal
 import sys
 import warnings
@@ -302,7 +303,8 @@ def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, 
     prompts = benchmark.read_prompts(prompts_file or package / benchmark.PROMPTS_NAME)
     total = benchmark.total_runs(config, len(prompts))
     with click.progressbar(length=total, label="benchmarking", file=sys.stderr) as bar:
-        report = benchmark.run_bench(pipe, prompts, config, progress=lambda n: bar.update(n - bar.pos))
+        report = benchmark.run_bench(pipe, prompts, config, progress=lambda n: bar.update(n - bar.pos),
+                                     command=shlex.join(["edgespec", *sys.argv[1:]]))
     click.echo(benchmark.format_table(report))
     if json_out:
         json_out.write_text(json.dumps(report.as_dict(), indent=2) + "\n")

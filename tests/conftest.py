@@ -5,9 +5,15 @@ Built once per test session (a few seconds); nothing is downloaded.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# Step costs the adaptive schedule measures are cached per user (runtime/calibration.py): tests
+# (and the CLI processes they start) use a fresh folder, never the user's, and always measure.
+os.environ["EDGESPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="edgespec-test-cache-")
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",

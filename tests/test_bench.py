@@ -67,7 +67,14 @@ def test_bench_command_writes_json(packages, tmp_path):
     ])
     assert result.exit_code == 0, result.output
     assert "speedup" in result.stdout and "expected" in result.stdout
-    assert json.loads(out.read_text())["rows"][0]["gamma"] == 2
+    report = json.loads(out.read_text())
+    assert report["rows"][0]["gamma"] == 2
+    # what the ratios were measured on travels with them
+    machine = report["machine"]
+    assert machine["cores"] >= 1 and machine["onnxruntime"].startswith("onnxruntime")
+    assert {"cpu", "caches", "load_average_at_start", "memory_bytes"} <= set(machine)
+    assert report["sessions"]["target"]["threads"] >= 0 and report["command"].startswith("edgespec ")
+    assert "machine: " in result.output and "sessions: target" in result.output
 
 
 def test_bench_refuses_bad_lists(packages):

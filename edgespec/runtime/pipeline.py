@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError, GenerationError, ManifestError
 from edgespec.manifest import Manifest
+from edgespec.runtime import calibration
 from edgespec.runtime.schedule import (
     AdaptiveSchedule,
     FixedSchedule,
@@ -72,8 +73,10 @@ class Pipeline:
         draft: SessionConfig | None = None,
         provider: str = "auto",
         draft_provider: str | None = None,
+        calibration_cache: bool = True,
     ):
         self.path = Path(path)
+        self.calibration_cache = calibration_cache
         self.manifest = Manifest.read(self.path)
         self.tokenizer = load_tokenizer(self.path, self.manifest)  # before the slow sessions
         m = self.manifest
@@ -89,7 +92,8 @@ class Pipeline:
         for warning in {self.target.warning, self.draft.warning} - {None}:
             warnings.warn(warning, stacklevel=2)
         self._costs: dict[int, StepCosts] = {}
-        self.calibration_s: dict[int, float] = {}
+        self.calibration_s: dict[int, float] = {}  # per kmax: seconds spent finding the costs
+        self.calibration: dict[int, str] = {}  # per kmax: "measured" or "stored" (read back)
 
     def encode(self, prompt: str) -> list[int]:
         check_text(prompt)
@@ -117,9 +121,7 @@ class Pipeline:
         def pieces() -> Iterator[str]:
             detok, stops = IncrementalDecoder(self.tokenizer), StopMatcher(config.stop)
             eos = set() if config.ignore_eos else set(self.manifest.eos_token_ids)
-            before = sum(self.calibration_s.values())
-            schedule = self._schedule(config)  # the adaptive one may measure costs first
-            stats.calibration_s = sum(self.calibration_s.values()) - before
+            schedule = self._schedule(config, stats)  # the adaptive one may measure costs first
             rounds = decode(self.target, self.draft, prompt_ids, config, schedule, limit, eos, stats)
             for new in rounds:
                 generated.extend(new)
@@ -137,26 +139,47 @@ class Pipeline:
 
         return TextStream(pieces(), lambda text: GenerationResult(text, generated, stats))
 
-    def _schedule(self, config: GenerationConfig) -> Schedule:
+    def _schedule(self, config: GenerationConfig, stats: GenerationStats) -> Schedule:
         if config.schedule == "heuristic":
             return HeuristicSchedule(config.gamma)
         if config.schedule == "adaptive":
             kmax = min(config.gamma, ADAPTIVE_MAX_K)
-            return AdaptiveSchedule(self.step_costs(kmax), sampled=not config.sampling.greedy)
+            first_use = kmax not in self._costs
+            costs = self.step_costs(kmax)
+            # this request paid for the costs only on their first use in this process
+            stats.calibration = self.calibration[kmax] if first_use else "reused"
+            stats.calibration_s = self.calibration_s[kmax] if first_use else 0.0
+            return AdaptiveSchedule(costs, sampled=not config.sampling.greedy)
         return FixedSchedule(config.gamma)
 
     def step_costs(self, kmax: int) -> StepCosts:
-        """Draft and target run times for k = 0..kmax, measured once per kmax and kept.
+        """Draft and target run times for k = 0..kmax: read from the calibration cache
+        (calibration.py), else measured and stored there; kept for this process either way.
 
         Measured at a context of a quarter of the window (at most 128 tokens), where typical
-        prompts sit; ``calibration_s`` records what each measurement cost.
+        prompts sit; ``calibration_s`` records what finding each cost, ``calibration`` how.
         """
         if kmax not in self._costs:
             context = min(128, self.manifest.max_positions // 4)
             start = time.perf_counter()
-            self._costs[kmax] = calibrate(self.target, self.draft, context, kmax)
+            key = self._calibration_key(kmax, context)
+            costs = calibration.load_costs(key) if self.calibration_cache else None
+            self.calibration[kmax] = "stored" if costs else "measured"
+            if costs is None:
+                costs = calibrate(self.target, self.draft, context, kmax)
+                if self.calibration_cache:
+                    calibration.store_costs(key, costs)
+            self._costs[kmax] = costs
             self.calibration_s[kmax] = time.perf_counter() - start
         return self._costs[kmax]
+
+    def _calibration_key(self, kmax: int, context: int) -> str:
+        """The package, the sessions as configured and as started (the provider "auto" chose)."""
+        sessions = {role: {**asdict(config), "providers": session.providers}
+                    for (role, config), session in zip(self.session_configs.items(),
+                                                       (self.target, self.draft))}
+        models = [self.manifest.target.path, self.manifest.draft.path]
+        return calibration.cache_key(self.path, models, sessions, kmax, context)
 
     def generate(
         self, prompt: str, config: GenerationConfig | None = None, **settings
@@ -244,11 +267,14 @@ def load(
     draft_provider: str | None = None,
     target: SessionConfig | None = None,
     draft: SessionConfig | None = None,
+    calibration_cache: bool = True,
 ) -> Pipeline:
     """Load an exported package.
 
     provider: where both models run ("auto", "cpu", "cuda", "tensorrt"); draft_provider, if
     given, overrides it for the draft (a tiny draft can stay on the CPU next to a GPU target).
     target / draft: full SessionConfig per model, overriding the defaults.
+    calibration_cache: read the adaptive schedule's step costs from, and store them in, the
+        user's cache folder (runtime/calibration.py); False measures them in this process.
     """
-    return Pipeline(path, target, draft, provider, draft_provider)
+    return Pipeline(path, target, draft, provider, draft_provider, calibration_cache)

@@ -34,7 +34,10 @@ class GenerationStats:
     total_s: float = 0.0
     finish_reason: str = ""
     threads: dict[str, int] = field(default_factory=dict)  # intra-op threads per model
-    calibration_s: float = 0.0  # the adaptive schedule measuring costs (first use only)
+    calibration_s: float = 0.0  # finding the adaptive schedule's step costs, before decoding
+    # where those costs came from: "measured" now, "stored" in the calibration cache by an
+    # earlier process, "reused" from an earlier request of this process; "" without adaptive
+    calibration: str = ""
 
     @classmethod
     def combined(cls, runs: Iterable[GenerationStats]) -> GenerationStats:
@@ -132,8 +135,10 @@ class GenerationStats:
                 f", acceptance {self.acceptance_rate:.0%} of {self.drafted} drafted"
                 f", {self.tokens_per_target_call:.2f} tokens/target call"
             )
-        if self.calibration_s:
+        if self.calibration == "measured":
             line += f", {self.calibration_s:.1f}s measuring step costs first"
+        elif self.calibration == "stored":
+            line += ", step costs from the calibration cache"
         return f"{line} ({self.finish_reason})"
 
 

@@ -1,0 +1,100 @@
+"""The calibration cache: step costs measured once per package, machine and settings."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import edgespec
+from edgespec.models import demo_package
+from edgespec.runtime import calibration
+from edgespec.runtime.schedule import StepCosts
+
+COSTS = StepCosts(0.25, (2.5, 2.9, 3.1))
+
+
+def test_costs_round_trip_under_their_key(tmp_path):
+    assert calibration.load_costs("k", tmp_path) is None
+    assert calibration.store_costs("k", COSTS, tmp_path)
+    assert calibration.load_costs("k", tmp_path) == COSTS
+    assert calibration.load_costs("other", tmp_path) is None
+    assert [p.name for p in tmp_path.iterdir()] == [calibration.FILE_NAME]  # no temp file left
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"format": 99, "entries": {}}', "[]",
+                                     '{"format": 1, "entries": {"k": {"draft_step_ms": "x"}}}'])
+def test_an_unreadable_or_foreign_file_is_ignored_then_replaced(tmp_path, content):
+    (tmp_path / calibration.FILE_NAME).write_text(content)
+    assert calibration.load_costs("k", tmp_path) is None
+    assert calibration.store_costs("k", COSTS, tmp_path)
+    assert calibration.load_costs("k", tmp_path) == COSTS
+
+
+def test_a_folder_that_cannot_be_written_leaves_the_costs_unstored(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert not calibration.store_costs("k", COSTS, blocker / "cache")  # a file in the way
+    assert calibration.load_costs("k", blocker / "cache") is None
+
+
+def test_the_store_keeps_only_the_newest_entries(tmp_path):
+    for i in range(calibration.MAX_ENTRIES + 5):
+        calibration.store_costs(f"k{i}", COSTS, tmp_path)
+    entries = json.loads((tmp_path / calibration.FILE_NAME).read_text())["entries"]
+    assert len(entries) == calibration.MAX_ENTRIES and f"k{calibration.MAX_ENTRIES + 4}" in entries
+
+
+def test_the_key_follows_the_package_settings_and_kmax(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "target").mkdir(parents=True)
+    (package / "draft").mkdir()
+    (package / "edgespec.json").write_text("{}")
+    for role in ("target", "draft"):
+        (package / role / "model.onnx").write_bytes(b"graph")
+    models = ["target/model.onnx", "draft/model.onnx"]
+    key = calibration.cache_key(package, models, {"threads": 2}, 8, 128)
+    assert key == calibration.cache_key(package, models, {"threads": 2}, 8, 128)
+    assert key != calibration.cache_key(package, models, {"threads": 1}, 8, 128)
+    assert key != calibration.cache_key(package, models, {"threads": 2}, 4, 128)
+    os.utime(package / "draft" / "model.onnx", ns=(1, 1))  # a re-exported draft
+    assert key != calibration.cache_key(package, models, {"threads": 2}, 8, 128)
+
+
+def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGESPEC_CACHE_DIR", str(tmp_path / "a"))
+    assert calibration.cache_folder() == tmp_path / "a"
+    monkeypatch.delenv("EDGESPEC_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert calibration.cache_folder() == tmp_path / "xdg" / "edgespec"
+
+
+def test_a_second_process_reads_the_costs_the_first_measured(monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGESPEC_CACHE_DIR", str(tmp_path))
+    settings = dict(max_new_tokens=8, schedule="adaptive", gamma=4, seed=0)
+    first = edgespec.load(demo_package())
+    measured = first.generate("def add(a, b):", **settings).stats
+    assert measured.calibration == "measured" and measured.calibration_s > 0
+    again = first.generate("def add(a, b):", **settings).stats  # same process: kept
+    assert again.calibration == "reused" and again.calibration_s == 0.0
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("costs measured again although they were stored")
+
+    monkeypatch.setattr("edgespec.runtime.pipeline.calibrate", no_measuring)
+    second = edgespec.load(demo_package())  # a new process, as far as the costs go
+    result = second.generate("def add(a, b):", **settings)
+    assert result.stats.calibration == "stored"
+    assert second.step_costs(4) == first.step_costs(4)
+    assert "calibration cache" in result.stats.summary()
+    assert result.token_ids == first.generate("def add(a, b):", **settings).token_ids
+
+
+def test_without_the_cache_costs_are_measured_and_nothing_is_written(monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGESPEC_CACHE_DIR", str(tmp_path / "cache"))
+    pipe = edgespec.load(demo_package(), calibration_cache=False)
+    stats = pipe.generate("x = 1", max_new_tokens=4, schedule="adaptive", gamma=2).stats
+    assert stats.calibration == "measured"
+    assert not (tmp_path / "cache").exists()
