@@ -146,7 +146,7 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
         convert_fp16(folder)
     elif variant in QUANTIZATIONS:
         report.detail(f"quantizing the weights to {variant}")
-        quantize_weights(folder, bits=int(variant[3:]), tied=tied)
+        quantize_weights(folder, bits=int(variant[3:]), tied=tied, int8_compute=role == "draft")
     elif graph == "optimum":
         stored = store_exact_halves(folder)
     spec = replace(describe_graph(folder, root, **about), graph=graph, stored=dict(stored),
@@ -155,7 +155,8 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
         return replace(spec, validation={"variant": variant, "skipped": True})
 
     report.detail("validating against PyTorch")
-    figures, failures = validate_graph(expected, ids, root, spec, ckpt.max_positions, variant)
+    figures, failures = validate_graph(expected, ids, root, spec, ckpt.max_positions, variant,
+                                       role)
     if failures and validation == "strict":
         lines = "\n  ".join(failures)
         raise ExportError(

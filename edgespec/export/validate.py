@@ -16,9 +16,11 @@ Two gates:
   draft of the exact model), averaged over the validation positions, and the top-1 agreement on
   positions where PyTorch's choice is clear (a margin of ``CLEAR_MARGIN`` in probability; on
   near-flat distributions, as random weights give, the top-1 token is a coin toss).
-Whatever the precision, the graph's cached and uncached runs must agree within ``CONSISTENCY``:
-speculative decoding's exactness rests on a token's logits not depending on how many tokens
-share its run.
+Whatever the precision, a target's cached and uncached runs must agree within ``CONSISTENCY``:
+speculative decoding's exactness rests on a target token's logits not depending on how many
+tokens share its run. A draft's need not agree as closely (``DRAFT_CONSISTENCY``): its logits
+only move acceptance, and a quantized draft computes with int8 activations (precision.py),
+whose kernels differ slightly with the number of rows; a broken cache still fails.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ FP32_TOLERANCE = 1e-3  # measured on the demo target: 1e-6 of its largest logit
 LOSSY_GATES = {"fp16": (0.01, 0.98), "int8": (0.05, 0.95), "int4": (0.35, 0.85)}
 CLEAR_MARGIN = 0.1
 CONSISTENCY = 1e-3  # cached vs uncached, as a fraction of the largest |logit|
+DRAFT_CONSISTENCY = 0.05  # the demo's int4 draft (int8 compute): 0.022, 1.9e-3 of its largest |logit|
 
 
 # Code and prose, so that a trained model has positions where its next token is clear.
@@ -76,6 +79,7 @@ def validate_graph(
     spec: ModelSpec,
     max_positions: int,
     variant: str = "fp32",
+    role: str = "target",
 ) -> tuple[dict, list[str]]:
     """Compare the graph with PyTorch's ``expected`` logits; returns (figures, failures).
 
@@ -122,11 +126,12 @@ def validate_graph(
         for name in ("prefix_then_rest", "one_token_steps")
     )
     figures["max_abs_diff_cached_vs_uncached"] = consistency
-    if not consistency <= CONSISTENCY * scale:
+    limit = (CONSISTENCY if role == "target" else DRAFT_CONSISTENCY) * scale
+    if not consistency <= limit:
         failures.append(
             f"{spec.path}: cached and uncached runs of the graph differ by {consistency:.2e} "
-            f"(tolerance {CONSISTENCY * scale:.1e}); speculative output would not match "
-            "target-only output"
+            f"(tolerance {limit:.1e}); " + ("speculative output would not match target-only "
+                                             "output" if role == "target" else "its KV cache is broken")
         )
     return figures, failures
 
