@@ -202,10 +202,14 @@ def _param(loc: list[str]) -> str:
     return "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in loc).lstrip(".")
 
 
-def _check_settings(server: Server, body: Settings) -> None:
-    if body.model != server.model:
-        raise ApiError(404, f"the model {body.model!r} does not exist; this server has "
+def _check_model(server: Server, model: str) -> None:
+    if model != server.model:
+        raise ApiError(404, f"the model {model!r} does not exist; this server has "
                        f"{server.model!r} (GET /v1/models)", "model", "model_not_found")
+
+
+def _check_settings(server: Server, body: Settings) -> None:
+    _check_model(server, body.model)
     refused = body.unsupported()
     if refused:
         raise ApiError(400, refused[1], refused[0], "unsupported_parameter")
@@ -219,7 +223,8 @@ def _encode(server: Server, prompt: str | list[int], param: str) -> list[int]:
         raise ApiError(400, str(e), param) from None
     limit = server.pipe.manifest.max_positions
     if len(ids) >= limit:
-        raise ApiError(400, f"the {param} has {len(ids)} tokens but the context window is "
+        what = "conversation" if param == "messages" else param
+        raise ApiError(400, f"the {what} has {len(ids)} tokens but the context window is "
                        f"{limit}; shorten it", param, "context_length_exceeded")
     return ids
 
