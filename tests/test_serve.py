@@ -179,6 +179,24 @@ def test_export_carries_the_chat_template(chat_package, checkpoints):
     assert manifest.special_tokens["bos_token"] == "<|endoftext|>"
 
 
+@pytest.mark.parametrize("where, message", [
+    ("../outside.jinja", "chat_template must be a path inside the package"),
+    ("gone.jinja", "gone.jinja is missing"),
+])
+def test_a_chat_template_outside_the_package_or_missing_is_refused(chat_package, tmp_path,
+                                                                    where, message):
+    from edgespec.errors import ManifestError
+    from edgespec.manifest import Manifest
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(chat_package, pkg)
+    shutil.copy(pkg / "chat_template.jinja", tmp_path / "outside.jinja")
+    raw = json.loads((pkg / "edgespec.json").read_text())
+    (pkg / "edgespec.json").write_text(json.dumps({**raw, "chat_template": where}))
+    with pytest.raises(ManifestError, match=message):
+        Manifest.read(pkg)
+
+
 MESSAGES = [{"role": "system", "content": "Python"},  # the test pair's context: 128 tokens
             {"role": "user", "content": "Grüße: add"},
             {"role": "assistant", "content": "def add(a, b):"},
