@@ -96,7 +96,7 @@ class Pipeline:
         """The prompt's token ids: text is tokenized (BOS first where the tokenizer adds one);
         a sequence of ids is taken as it is, each checked to be in the vocabulary (a chat
         template's rendered text already holds its special tokens, BOS included)."""
-        if not isinstance(prompt, str) and isinstance(prompt, Sequence):
+        if isinstance(prompt, (list, tuple)):  # not bytes, also a Sequence of ints
             return check_ids(prompt, self.manifest.vocab_size)
         check_text(prompt)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
@@ -229,7 +229,8 @@ def check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
     for i in ids:
         if not (isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < vocab_size):
             raise GenerationError(
-                f"the prompt's token ids must be integers in 0..{vocab_size - 1}, got {i!r}"
+                f"the prompt must be a str or a list of token ids (integers in "
+                f"0..{vocab_size - 1}), got {i!r} in the list"
             )
     return [int(i) for i in ids]
 
