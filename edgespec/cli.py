@@ -116,6 +116,24 @@ def _needs_export_extra(module: str):
         ) from None
 
 
+SERVE_MODULES = ("starlette", "uvicorn", "pydantic", "jinja2")  # what the serve extra installs
+
+
+def _needs_serve_extra():
+    """edgespec.serve, or one line saying how to install what it needs."""
+    try:
+        for module in SERVE_MODULES:
+            importlib.import_module(module)
+        import edgespec.serve.server
+
+        return edgespec.serve
+    except ImportError as e:
+        raise click.ClickException(
+            f"edgespec serve needs the serve extra ({e.name} is missing): "
+            'pip install "edgespec[serve]"'
+        ) from None
+
+
 def _runtime():
     """edgespec.runtime (onnxruntime, NumPy, tokenizers), imported while signals wait."""
     with _signals_held():
@@ -312,6 +330,42 @@ def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, 
     if plot_out:
         benchmark.plot(report, plot_out)
         click.echo(f"wrote {plot_out}", err=True)
+
+
+@main.command()
+@click.argument("package", required=False, type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; 0.0.0.0 opens the server to the network.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="0 picks a free port.")
+@click.option("--model-name", help="The model's id in the API  [default: the package folder's "
+                                   "name, e.g. demo]")
+@click.option("--queue", default=8, show_default=True, type=click.IntRange(0),
+              help="Requests that may wait while one generates; more are answered 429.")
+@click.option("--max-body", default=1 << 20, show_default=True, type=click.IntRange(1),
+              help="Largest request body in bytes; larger ones are answered 413.")
+@click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDERS))
+@click.option("--draft-provider", type=click.Choice(PROVIDERS),
+              help="Where the draft runs, if not where the target does.")
+@_user_errors
+def serve(package: Path | None, host: str, port: int, model_name: str | None, queue: int,
+          max_body: int, provider: str, draft_provider: str | None) -> None:
+    """Serve PACKAGE (default: the demo pair) over an OpenAI-compatible HTTP API
+    (needs edgespec[serve])."""
+    serving = _needs_serve_extra()
+    sock = serving.server.bind(host, port)  # first: a port in use is reported at once
+    try:
+        pipe = _runtime().load(package or _demo_package(), provider=provider,
+                               draft_provider=draft_provider)
+        app = serving.build_app(pipe, model_name, queue, max_body)
+    except BaseException:
+        sock.close()
+        raise
+    name = app.state.server.model
+    bound_port = sock.getsockname()[1]
+    click.echo(f"serving {name} at http://{host}:{bound_port}/v1 (one generation at a time, "
+               f"{queue} waiting at most); Ctrl-C stops", err=True)
+    serving.server.run(app, sock)
 
 
 @main.group()

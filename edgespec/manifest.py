@@ -17,10 +17,12 @@ PROMPTS_NAME = "prompts.jsonl"  # optional: prompts for `edgespec bench`, JSON L
 REPORT_NAME = "training_report.json"  # optional: how the pair was trained (the demo pair)
 FORMAT_VERSION = 1
 TOKENIZER_NAME = "tokenizer.json"
+CHAT_TEMPLATE_NAME = "chat_template.jinja"  # optional: the target tokenizer's chat template
 # Everything an export (or the demo recipe) writes into a package folder: --overwrite replaces
 # a folder only if it holds nothing else.
 PACKAGE_ENTRIES = frozenset(
-    {MANIFEST_NAME, TOKENIZER_NAME, PROMPTS_NAME, REPORT_NAME, "target", "draft"}
+    {MANIFEST_NAME, TOKENIZER_NAME, CHAT_TEMPLATE_NAME, PROMPTS_NAME, REPORT_NAME, "target",
+     "draft"}
 )
 GRAPHS = ("optimum", "fused")  # optimum's exporter; edgespec's own (export/fused.py)
 DTYPES = ("float32", "float16")  # what a graph computes in
@@ -50,7 +52,12 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class Manifest:
-    """What ``edgespec export`` wrote. ``vocab_size`` is the range shared by both models."""
+    """What ``edgespec export`` wrote. ``vocab_size`` is the range shared by both models.
+
+    ``chat_template``: the file holding the target tokenizer's Jinja chat template, None when it
+    had none (and in packages from before templates were carried); ``special_tokens``: the
+    tokenizer's special token strings by name (bos_token, eos_token, ...), which templates use.
+    """
 
     target: ModelSpec
     draft: ModelSpec
@@ -61,6 +68,8 @@ class Manifest:
     pad_token_id: int | None
     add_bos_token: bool
     tokenizer: str = "tokenizer.json"
+    chat_template: str | None = None
+    special_tokens: dict = field(default_factory=dict)
     source: dict = field(default_factory=dict)
     edgespec_version: str = ""
     format_version: int = FORMAT_VERSION
@@ -125,8 +134,10 @@ class Manifest:
         package cannot make edgespec load a model or tokenizer from elsewhere."""
         root = folder.resolve()
         named = {"target.path": self.target.path, "draft.path": self.draft.path,
-                 "tokenizer": self.tokenizer}
+                 "tokenizer": self.tokenizer, "chat_template": self.chat_template}
         for name, relative in named.items():
+            if relative is None:  # an optional file the package does not have
+                continue
             resolved = (folder / relative).resolve()
             if Path(relative).is_absolute() or not resolved.is_relative_to(root):
                 _refuse(folder / MANIFEST_NAME, name, relative,
@@ -186,6 +197,13 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "pad_token_id": _TOKEN_ID,
     "add_bos_token": ("true or false", lambda v: isinstance(v, bool)),
     "tokenizer": _PATH,
+    "chat_template": ("null or a path inside the package folder",
+                      lambda v: v is None or _PATH[1](v)),
+    "special_tokens": ("a JSON object of strings or lists of strings",
+                       lambda v: isinstance(v, dict) and all(
+                           isinstance(t, str) or (isinstance(t, list)
+                                                  and all(isinstance(x, str) for x in t))
+                           for t in v.values())),
     "source": _OBJECT,
     "edgespec_version": _TEXT,
     "format_version": ("an integer", _is_int),

@@ -151,3 +151,15 @@ def packages(checkpoints, tmp_path_factory) -> dict[str, Path]:
     for name, (target, draft, graph) in pairs.items():
         export_pair(checkpoints[target], checkpoints[draft], root / name, graph=graph)
     return {name: root / name for name in pairs}
+
+
+@pytest.fixture(scope="session")
+def chat_package(checkpoints, tmp_path_factory) -> Path:
+    """The Llama pair exported from a target whose tokenizer has a chat template."""
+    from edgespec.export import export_pair
+    from serve_helpers import with_chat_template
+
+    root = tmp_path_factory.mktemp("chat")
+    target = with_chat_template(checkpoints["llama_target"], root / "target")
+    export_pair(target, checkpoints["llama_draft"], root / "chat", validation="skip")
+    return root / "chat"

@@ -85,6 +85,10 @@ BAD_FIELDS = {
     "missing vocab_size": ("vocab_size", deleter("vocab_size")),
     "missing target path": ("target.path", deleter("target.path")),
     "unknown field": ("colour", setter("colour", "blue")),
+    "empty chat_template": ("chat_template", setter("chat_template", "")),
+    "special_tokens as a list": ("special_tokens", setter("special_tokens", ["<s>"])),
+    "special token id for a string": ("special_tokens", setter("special_tokens",
+                                                               {"bos_token": 0})),
 }
 
 

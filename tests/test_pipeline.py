@@ -59,5 +59,5 @@ def test_a_prompt_that_is_not_utf8_is_a_generation_error(pipe, prompt):
 
 @pytest.mark.parametrize("prompt", [b"hi", None, ["hi"], 5], ids=repr)
 def test_a_prompt_that_is_not_a_str_is_a_generation_error(pipe, prompt):
-    with pytest.raises(GenerationError, match="the prompt must be a str, got"):
+    with pytest.raises(GenerationError, match="the prompt must be a str"):  # or token ids
         pipe.generate(prompt, max_new_tokens=2)

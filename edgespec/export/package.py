@@ -37,7 +37,7 @@ from edgespec.export.validate import (
     validate_graph,
     validation_ids,
 )
-from edgespec.manifest import Manifest, ModelSpec
+from edgespec.manifest import CHAT_TEMPLATE_NAME, Manifest, ModelSpec
 
 Progress = Callable[[str], None]
 GRAPHS = EXPORT_GRAPHS
@@ -184,6 +184,9 @@ def _write_package(
 ) -> Manifest:
     tokenizer = target.tokenizer
     tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+    template = _chat_template(tokenizer)
+    if template is not None:
+        (tmp / CHAT_TEMPLATE_NAME).write_text(template, encoding="utf-8")
     manifest = Manifest(
         target=specs["target"],
         draft=specs["draft"],
@@ -193,11 +196,22 @@ def _write_package(
         bos_token_id=tokenizer.bos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         add_bos_token=_adds_bos(tokenizer),
+        chat_template=None if template is None else CHAT_TEMPLATE_NAME,
+        special_tokens=dict(tokenizer.special_tokens_map) if template is not None else {},
         source={"target": str(target.path.resolve()), "draft": str(draft.path.resolve())},
         edgespec_version=edgespec.__version__,
     )
     manifest.write(tmp)
     return manifest
+
+
+def _chat_template(tokenizer) -> str | None:
+    """The tokenizer's chat template (tokenizer_config.json or chat_template.jinja): the string,
+    or the one named "default" of several; None if it has none."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    return template if isinstance(template, str) and template else None
 
 
 def _adds_bos(tokenizer) -> bool:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numbers
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -95,7 +96,12 @@ class Pipeline:
         self.calibration_s: dict[int, float] = {}  # per kmax: seconds spent finding the costs
         self.calibration: dict[int, str] = {}  # per kmax: "measured" or "stored" (read back)
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's token ids: text is tokenized (BOS first where the tokenizer adds one);
+        a sequence of ids is taken as it is, each checked to be in the vocabulary (a chat
+        template's rendered text already holds its special tokens, BOS included)."""
+        if isinstance(prompt, (list, tuple)):  # not bytes, also a Sequence of ints
+            return check_ids(prompt, self.manifest.vocab_size)
         check_text(prompt)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         if self.manifest.add_bos_token and self.manifest.bos_token_id is not None:
@@ -104,8 +110,9 @@ class Pipeline:
             raise GenerationError("the prompt is empty; give at least one character")
         return ids
 
-    def stream(self, prompt: str, config: GenerationConfig | None = None, **settings) -> TextStream:
-        """Generate, yielding text pieces as they are decoded. Settings as for ``generate``."""
+    def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None, **settings) -> TextStream:
+        """Generate, yielding text pieces as they are decoded. Settings as for ``generate``;
+        ``prompt`` as for ``encode``: text or token ids."""
         config = make_config(config, **settings)
         prompt_ids = self.encode(prompt)
         limit = self.manifest.max_positions
@@ -182,7 +189,7 @@ class Pipeline:
         return calibration.cache_key(self.path, models, sessions, kmax, context)
 
     def generate(
-        self, prompt: str, config: GenerationConfig | None = None, **settings
+        self, prompt: str | Sequence[int], config: GenerationConfig | None = None, **settings
     ) -> GenerationResult:
         """Generate a continuation of ``prompt``.
 
@@ -235,6 +242,20 @@ def check_text(prompt: str) -> None:
             f"the prompt is not valid UTF-8: character {e.start} is {prompt[e.start]!r}, from "
             "bytes that are not UTF-8 or half a surrogate pair; pass UTF-8 text"
         ) from None
+
+
+def check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """A prompt given as token ids: at least one, each an integer id below ``vocab_size``."""
+    ids = list(ids)
+    if not ids:
+        raise GenerationError("the prompt is empty; give at least one token id")
+    for i in ids:
+        if not (isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < vocab_size):
+            raise GenerationError(
+                f"the prompt must be a str or a list of token ids (integers in "
+                f"0..{vocab_size - 1}), got {i!r} in the list"
+            )
+    return [int(i) for i in ids]
 
 
 def make_config(config: GenerationConfig | None = None, **settings) -> GenerationConfig:

@@ -1,0 +1,126 @@
+"""The request bodies of the OpenAI API as pydantic models: a body that does not fit is refused
+by the schema, with the field's name, before anything else looks at it.
+
+Fields as OpenAI defines them (its API reference, "Completions" and "Chat"), then edgespec's
+own: top_k, gamma, schedule, use_draft, ignore_eos. Unknown fields are ignored, as OpenAI's
+clients send some that change nothing here; those that would change the output and that
+edgespec cannot honour (penalties, logprobs, several choices) are refused by ``unsupported``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from edgespec.config import MAX_GAMMA, SCHEDULES
+
+
+class _Body(BaseModel):
+    # strict: "16" is not a number and 1.0 not an integer; JSON gives every type exactly
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class Settings(_Body):
+    """What both endpoints take besides their prompt."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's default and range; 0 is greedy
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    # OpenAI's, refused unless they change nothing
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | int | None = None
+    # edgespec's own
+    top_k: int = Field(0, ge=0)
+    gamma: int = Field(4, ge=1, le=MAX_GAMMA)
+    schedule: Literal[SCHEDULES] = "fixed"  # type: ignore[valid-type]
+    use_draft: bool = True
+    ignore_eos: bool = False
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) for the first setting edgespec cannot honour, or None."""
+        if self.n != 1:
+            return "n", f"n must be 1 (one choice per request), got {self.n}; send n requests"
+        if self.presence_penalty or self.frequency_penalty:
+            return ("presence_penalty" if self.presence_penalty else "frequency_penalty",
+                    "presence_penalty and frequency_penalty are not supported; leave them at 0")
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.logprobs:
+            return "logprobs", "logprobs are not supported"
+        return None
+
+
+class CompletionRequest(Settings):
+    """POST /v1/completions. ``prompt``: text, token ids, or a list of one of either."""
+
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            if len(self.prompt) != 1:
+                return "prompt", (f"a batch of {len(self.prompt)} prompts is not supported; "
+                                  "send one prompt per request")
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of must be 1"
+        if self.suffix:
+            return "suffix", "suffix (insertion) is not supported"
+        return super().unsupported()
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return prompt[0]
+        return prompt
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict:
+        """The message as chat templates read it: role and content as one string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(Settings):
+    """POST /v1/chat/completions."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    tools: list[dict] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tools:
+            return "tools", "tools (function calling) are not supported"
+        return super().unsupported()

@@ -1,0 +1,378 @@
+"""The HTTP API in-process (Starlette's test client): every endpoint, every bad request, the
+queue, cancellation, the chat template carried by export and rendered as transformers does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from click.testing import CliRunner
+from starlette.testclient import TestClient
+
+import edgespec
+from edgespec.cli import main
+from edgespec.models import demo_package
+from edgespec.serve import build_app
+from edgespec.serve.worker import Busy, Worker
+
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return edgespec.load(demo_package())
+
+
+@pytest.fixture(scope="module")
+def client(demo):
+    with TestClient(build_app(demo)) as client:
+        yield client
+
+
+def complete(client, **fields):
+    return client.post("/v1/completions", json={"model": "demo", "prompt": PROMPT, **fields})
+
+
+def sse_payloads(response) -> list:
+    """The data of each server-sent event; "[DONE]" as a string."""
+    lines = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    return [line if line == "[DONE]" else json.loads(line) for line in lines]
+
+
+def test_models_and_health(client):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["demo"]
+    assert client.get("/v1/models/demo").json()["id"] == "demo"
+    assert client.get("/v1/models/other").status_code == 404
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["running"] == 0 and health["queue"] == 8
+
+
+@pytest.mark.parametrize("settings", [
+    {"temperature": 0, "max_tokens": 24},
+    {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 7, "max_tokens": 24, "gamma": 6},
+    {"temperature": 0, "max_tokens": 40, "stop": ["\n"], "schedule": "heuristic"},
+])
+def test_a_completion_equals_generate_with_the_same_settings(client, demo, settings):
+    out = complete(client, **settings).json()
+    library = dict(settings, max_new_tokens=settings["max_tokens"])
+    del library["max_tokens"]
+    expected = demo.generate(PROMPT, **library)
+    choice = out["choices"][0]
+    assert choice["text"] == expected.text
+    assert choice["finish_reason"] == ("stop" if expected.stats.finish_reason in
+                                       ("eos", "stop_string") else "length")
+    assert out["usage"] == {"prompt_tokens": expected.stats.prompt_tokens,
+                            "completion_tokens": expected.stats.new_tokens,
+                            "total_tokens": expected.stats.prompt_tokens
+                            + expected.stats.new_tokens}
+    assert out["object"] == "text_completion" and out["model"] == "demo"
+    assert {"acceptance_rate", "tokens_per_target_call", "tokens_per_s"} <= set(out["edgespec"])
+
+
+def test_openai_default_is_16_tokens_and_prompts_may_be_token_ids(client, demo):
+    out = complete(client, seed=1).json()  # OpenAI's defaults: 16 tokens, temperature 1
+    assert out["usage"]["completion_tokens"] <= 16
+    assert out["choices"][0]["text"] == demo.generate(PROMPT, max_new_tokens=16, seed=1,
+                                                      temperature=1.0).text
+    ids = demo.encode(PROMPT)
+    by_ids = client.post("/v1/completions", json={"model": "demo", "prompt": [ids],
+                                                  "temperature": 0, "max_tokens": 8}).json()
+    assert by_ids["choices"][0]["text"] == demo.generate(PROMPT, max_new_tokens=8).text
+
+
+def test_a_streamed_completion_is_the_whole_one_in_pieces(client):
+    settings = {"temperature": 0.7, "seed": 3, "max_tokens": 30}
+    whole = complete(client, **settings).json()
+    with client.stream("POST", "/v1/completions", json={
+            "model": "demo", "prompt": PROMPT, "stream": True,
+            "stream_options": {"include_usage": True}, **settings}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_payloads(response)
+    assert events[-1] == "[DONE]"
+    *chunks, finish, usage, _ = events
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert len(chunks) > 1 and all(c["choices"][0]["finish_reason"] is None for c in chunks)
+    assert finish["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert finish["edgespec"]["new_tokens"] == whole["usage"]["completion_tokens"]
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+
+
+BAD_COMPLETIONS = [  # body, status, param, code
+    (b"{not json", 400, None, None),
+    (b"[1, 2]", 400, None, None),
+    (b'{"prompt": "x"}', 400, "model", None),
+    (b'{"model": "demo"}', 400, "prompt", None),
+    (b'{"model": "gpt-4", "prompt": "x"}', 404, "model", "model_not_found"),
+    (b'{"model": "demo", "prompt": 5}', 400, "prompt", None),
+    (b'{"model": "demo", "prompt": []}', 400, "prompt", None),
+    (b'{"model": "demo", "prompt": [99999]}', 400, "prompt", None),
+    (b'{"model": "demo", "prompt": ["a", "b"]}', 400, "prompt", "unsupported_parameter"),
+    (b'{"model": "demo", "prompt": "x", "max_tokens": 0}', 400, "max_tokens", None),
+    (b'{"model": "demo", "prompt": "x", "max_tokens": "16"}', 400, "max_tokens", None),
+    (b'{"model": "demo", "prompt": "x", "max_tokens": 1.5}', 400, "max_tokens", None),
+    (b'{"model": "demo", "prompt": "x", "temperature": -1}', 400, "temperature", None),
+    (b'{"model": "demo", "prompt": "x", "temperature": 2.5}', 400, "temperature", None),
+    (b'{"model": "demo", "prompt": "x", "top_p": 0}', 400, "top_p", None),
+    (b'{"model": "demo", "prompt": "x", "top_k": -1}', 400, "top_k", None),
+    (b'{"model": "demo", "prompt": "x", "gamma": 65}', 400, "gamma", None),
+    (b'{"model": "demo", "prompt": "x", "schedule": "fast"}', 400, "schedule", None),
+    (b'{"model": "demo", "prompt": "x", "seed": -1}', 400, "seed", None),
+    (b'{"model": "demo", "prompt": "x", "stop": 3}', 400, "stop", None),
+    (b'{"model": "demo", "prompt": "x", "stop": [""]}', 400, "stop", None),
+    (b'{"model": "demo", "prompt": "x", "stream": "yes"}', 400, "stream", None),
+    (b'{"model": "demo", "prompt": "x", "n": 2}', 400, "n", "unsupported_parameter"),
+    (b'{"model": "demo", "prompt": "x", "logprobs": 2}', 400, "logprobs",
+     "unsupported_parameter"),
+    (b'{"model": "demo", "prompt": "x", "echo": true}', 400, "echo", "unsupported_parameter"),
+    (b'{"model": "demo", "prompt": "\\ud800"}', 400, None, None),  # not UTF-8: not JSON
+    (json.dumps({"model": "demo", "prompt": "x " * 600}).encode(), 400, "prompt",
+     "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("body, status, param, code", BAD_COMPLETIONS,
+                         ids=[b[0][:40].decode(errors="replace") for b in BAD_COMPLETIONS])
+def test_a_bad_request_is_an_openai_error_with_its_status(client, body, status, param, code):
+    response = client.post("/v1/completions", content=body,
+                           headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert "\n" not in error["message"] and "Traceback" not in error["message"]
+    assert error["param"] == param and error["code"] == code
+    assert client.get("/health").json()["running"] == 0  # and the server goes on
+
+
+def test_bodies_over_the_limit_paths_and_methods(demo):
+    with TestClient(build_app(demo, max_body=1000)) as client:
+        big = client.post("/v1/completions", json={"model": "demo", "prompt": "x" * 2000})
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+        assert client.get("/v2/nothing").status_code == 404
+        assert client.get("/v2/nothing").json()["error"]["code"] == "not_found"
+        assert client.get("/v1/completions").status_code == 405
+        assert complete(client, max_tokens=2).status_code == 200
+
+
+def test_chat_without_a_template_is_a_400_that_says_so(client):
+    response = client.post("/v1/chat/completions", json={
+        "model": "demo", "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "chat_template_missing" and "chat template" in error["message"]
+
+
+def test_export_carries_the_chat_template(chat_package, checkpoints):
+    from serve_helpers import CHAT_TEMPLATE
+
+    manifest = edgespec.load(chat_package).manifest
+    assert manifest.chat_template == "chat_template.jinja"
+    assert (chat_package / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    assert manifest.special_tokens["bos_token"] == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("where, message", [
+    ("../outside.jinja", "chat_template must be a path inside the package"),
+    ("gone.jinja", "gone.jinja is missing"),
+])
+def test_a_chat_template_outside_the_package_or_missing_is_refused(chat_package, tmp_path,
+                                                                    where, message):
+    from edgespec.errors import ManifestError
+    from edgespec.manifest import Manifest
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(chat_package, pkg)
+    shutil.copy(pkg / "chat_template.jinja", tmp_path / "outside.jinja")
+    raw = json.loads((pkg / "edgespec.json").read_text())
+    (pkg / "edgespec.json").write_text(json.dumps({**raw, "chat_template": where}))
+    with pytest.raises(ManifestError, match=message):
+        Manifest.read(pkg)
+
+
+MESSAGES = [{"role": "system", "content": "Python"},  # the test pair's context: 128 tokens
+            {"role": "user", "content": "Grüße: add"},
+            {"role": "assistant", "content": "def add(a, b):"},
+            {"role": "user", "content": [{"type": "text", "text": "and "},
+                                         {"type": "text", "text": "sub"}]}]
+
+
+def test_chat_renders_as_transformers_does_with_one_bos(chat_package, tmp_path):
+    from transformers import AutoTokenizer
+
+    from edgespec.serve.chat import ChatTemplate
+
+    pkg = tmp_path / "bos"  # a package whose tokenizer adds BOS to plain prompts
+    shutil.copytree(chat_package, pkg)
+    raw = json.loads((pkg / "edgespec.json").read_text())
+    (pkg / "edgespec.json").write_text(json.dumps({**raw, "add_bos_token": True}))
+    pipe = edgespec.load(pkg)
+    hf = AutoTokenizer.from_pretrained(pipe.manifest.source["target"])
+    flat = [{**m, "content": "and sub"} if isinstance(m["content"], list) else m
+            for m in MESSAGES]
+    text = hf.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
+    ids = hf.apply_chat_template(flat, tokenize=True, add_generation_prompt=True)
+    assert ChatTemplate.of_package(pkg, pipe.manifest).render(flat) == text
+
+    with TestClient(build_app(pipe)) as client:
+        out = client.post("/v1/chat/completions", json={
+            "model": "bos", "messages": MESSAGES, "temperature": 0, "max_tokens": 12}).json()
+    assert "usage" in out, out
+    assert out["usage"]["prompt_tokens"] == len(ids)  # the template's BOS, no second one
+    assert out["object"] == "chat.completion"
+    message = out["choices"][0]["message"]
+    assert message == {"role": "assistant",
+                       "content": pipe.generate(ids, max_new_tokens=12).text}
+
+
+def test_chat_streams_deltas_and_refuses_what_its_template_refuses(chat_package):
+    pipe = edgespec.load(chat_package)
+    with TestClient(build_app(pipe)) as client:
+        body = {"model": "chat", "messages": MESSAGES[:2], "temperature": 0}
+        whole = client.post("/v1/chat/completions", json=body).json()
+        # chat's default max_tokens: the rest of the context window
+        assert whole["usage"]["total_tokens"] <= pipe.manifest.max_positions
+        with client.stream("POST", "/v1/chat/completions",
+                           json={**body, "stream": True}) as response:
+            events = sse_payloads(response)
+        first, *chunks, finish, done = events
+        assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == \
+            whole["choices"][0]["message"]["content"]
+        assert finish["choices"][0]["delta"] == {} and done == "[DONE]"
+        assert finish["object"] == "chat.completion.chunk"
+
+        refused = client.post("/v1/chat/completions", json={
+            "model": "chat", "messages": [{"role": "tool", "content": "x"}]})
+        assert refused.status_code == 400 and "Unknown role: tool" in refused.text
+        for messages, param in (([], "messages"), ([{"role": "bob", "content": "x"}],
+                                                   "messages[0].role"),
+                                ([{"role": "user", "content": 1}], "messages[0].content")):
+            response = client.post("/v1/chat/completions",
+                                   json={"model": "chat", "messages": messages})
+            assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+class Gate:
+    """A TextStream stand-in that yields one piece per release: a generation held open."""
+
+    def __init__(self):
+        self.release, self.rounds = threading.Semaphore(0), 0
+        self.result = None
+
+    def __iter__(self):
+        while True:
+            self.release.acquire()
+            self.rounds += 1
+            yield "x"
+
+
+def test_the_queue_admits_one_running_plus_queue_then_refuses():
+    async def scenario():
+        worker = Worker(queue=1)
+        gates = [Gate(), Gate()]
+        jobs = [worker.submit(g) for g in gates]
+        with pytest.raises(Busy):
+            worker.submit(Gate())
+        assert worker.counts()["refused"] == 1
+        for job in jobs:
+            job.cancel()
+        for g in gates:
+            g.release.release()
+        worker.close()
+        return worker.counts()
+
+    counts = asyncio.run(scenario())
+    assert counts["cancelled"] == 2 and counts["running"] == counts["waiting"] == 0
+
+
+def test_a_cancelled_job_stops_at_its_next_round():
+    async def scenario():
+        worker, gate = Worker(queue=0), Gate()
+        job = worker.submit(gate)
+        pieces = job.__aiter__()
+        gate.release.release()
+        assert await pieces.__anext__() == "x"
+        await pieces.aclose()  # the client went away
+        for _ in range(5):
+            gate.release.release()
+        worker.close()
+        return gate.rounds, worker.counts()
+
+    rounds, counts = asyncio.run(scenario())
+    assert rounds <= 2 and counts["cancelled"] == 1  # at most the round already under way
+
+
+def test_a_full_queue_is_a_429_with_retry_after(demo):
+    async def scenario():
+        app = build_app(demo, queue=0)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            body = {"model": "demo", "prompt": PROMPT, "temperature": 0}
+            long = asyncio.create_task(http.post("/v1/completions", json={
+                **body, "max_tokens": 400, "ignore_eos": True}))
+            while app.state.server.worker.counts()["running"] == 0:
+                await asyncio.sleep(0.01)
+            refused = await http.post("/v1/completions", json={**body, "max_tokens": 2})
+            return refused, await long
+
+    refused, long = asyncio.run(scenario())
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "queue_full"
+    assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 400
+
+
+def test_a_dropped_generation_ends_early_and_the_next_is_served(demo):
+    async def scenario():
+        app = build_app(demo)
+        worker = app.state.server.worker
+        stream = demo.stream(PROMPT, max_new_tokens=450, ignore_eos=True)
+        job = worker.submit(stream)
+        pieces = job.__aiter__()
+        await pieces.__anext__()
+        await pieces.aclose()
+        start = time.perf_counter()
+        while worker.counts()["cancelled"] == 0:
+            await asyncio.sleep(0.005)
+        ended = time.perf_counter() - start
+        after = await worker.submit(demo.stream(PROMPT, max_new_tokens=4)).result()
+        worker.close()
+        return stream, ended, after
+
+    stream, ended, after = asyncio.run(scenario())
+    assert stream.result is None and ended < 1.0  # it never ran to its 450 tokens
+    assert after.stats.new_tokens <= 4
+
+
+def test_serve_without_the_extra_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    result = CliRunner().invoke(main, ["serve"])
+    assert result.exit_code == 1
+    assert result.output.strip() == ('Error: edgespec serve needs the serve extra (uvicorn is '
+                                      'missing): pip install "edgespec[serve]"')
+
+
+def test_serve_refuses_bad_command_line_input_in_one_line(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    try:
+        cases = {
+            "in use": (["--port", port], "cannot listen on 127.0.0.1:"),
+            "bad host": (["--host", "no-such-host.invalid"], "cannot listen on"),
+            "no package": ([str(tmp_path / "missing"), "--port", 0], "is not a folder"),
+        }
+        for name, (args, message) in cases.items():
+            result = CliRunner().invoke(main, ["serve", *map(str, args)])
+            assert result.exit_code == 1, name
+            lines = result.output.strip().splitlines()
+            assert len(lines) == 1 and message in lines[0], (name, result.output)
+    finally:
+        taken.close()
