@@ -11,6 +11,7 @@ import shlex
 import signal
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -208,9 +209,10 @@ def export(target: Path, draft: Path, out: Path, overwrite: bool, graph: str, dt
 @main.command()
 @click.argument("args", nargs=-1, required=True, metavar="[PACKAGE] PROMPT")
 @click.option("--max-new-tokens", "-n", default=_DEFAULTS.max_new_tokens, show_default=True)
-@click.option("--temperature", "-t", default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-k", default=0, show_default=True, help="0 keeps all tokens.")
-@click.option("--top-p", default=1.0, show_default=True, help="1 keeps all tokens.")
+@click.option("--temperature", "-t", type=float,
+              help="0 is greedy. [default: the package's, else 0]")
+@click.option("--top-k", type=int, help="0 keeps all tokens. [default: the package's, else 0]")
+@click.option("--top-p", type=float, help="1 keeps all tokens. [default: the package's, else 1]")
 @click.option("--gamma", "-k", default=_DEFAULTS.gamma, show_default=True,
               help="Draft length k: every round's (fixed), the first (heuristic), "
                    "the most (adaptive, up to 16).")
@@ -227,8 +229,8 @@ def export(target: Path, draft: Path, out: Path, overwrite: bool, graph: str, dt
               help="Where the draft runs, if not where the target does.")
 @click.option("--json", "as_json", is_flag=True, help="Print text and stats as one JSON object.")
 @_user_errors
-def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float, top_k: int,
-             top_p: float, gamma: int, schedule: str, seed: int | None, stop: tuple[str, ...],
+def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | None,
+             top_k: int | None, top_p: float | None, gamma: int, schedule: str, seed: int | None, stop: tuple[str, ...],
              no_draft: bool, ignore_eos: bool, provider: str, draft_provider: str | None,
              as_json: bool) -> None:
     """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair)."""
@@ -240,9 +242,14 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float, top
         )
     package, prompt = (Path(args[0]), args[1]) if len(args) == 2 else (_demo_package(), args[0])
 
+    # sampling settings given here override the package's defaults (its generation_config.json),
+    # known only once it is loaded; checked now, before the slow load
+    given = {name: value for name, value in
+             (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
+             if value is not None}
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
-        sampling=SamplingConfig(temperature, top_k, top_p),
+        sampling=SamplingConfig(**given),
         gamma=gamma,
         schedule=schedule,
         use_draft=not no_draft,
@@ -251,6 +258,7 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float, top
         ignore_eos=ignore_eos,
     )
     pipe = load(package, provider=provider, draft_provider=draft_provider)
+    config = replace(config, sampling=replace(pipe.default_sampling, **given))
     stream = pipe.stream(prompt, config)
     if as_json:
         text = "".join(stream)

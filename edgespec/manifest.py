@@ -70,6 +70,8 @@ class Manifest:
     tokenizer: str = "tokenizer.json"
     chat_template: str | None = None
     special_tokens: dict = field(default_factory=dict)
+    generation: dict = field(default_factory=dict)  # sampling defaults: temperature, top_k,
+    # top_p from the target's generation_config.json, used where a request sets none
     source: dict = field(default_factory=dict)
     edgespec_version: str = ""
     format_version: int = FORMAT_VERSION
@@ -199,6 +201,8 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "tokenizer": _PATH,
     "chat_template": ("null or a path inside the package folder",
                       lambda v: v is None or _PATH[1](v)),
+    "generation": ("a JSON object of sampling settings (temperature, top_k, top_p)",
+                   lambda v: isinstance(v, dict) and _valid_sampling(v)),
     "special_tokens": ("a JSON object of strings or lists of strings",
                        lambda v: isinstance(v, dict) and all(
                            isinstance(t, str) or (isinstance(t, list)
@@ -208,6 +212,17 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "edgespec_version": _TEXT,
     "format_version": ("an integer", _is_int),
 }
+
+
+def _valid_sampling(settings: dict) -> bool:
+    from edgespec.config import SamplingConfig
+    from edgespec.errors import ConfigError
+
+    try:
+        SamplingConfig(**settings)
+    except (ConfigError, TypeError):  # a bad value, or a setting SamplingConfig lacks
+        return False
+    return True
 
 
 def _check_fields(path: Path, raw: dict, checks: dict[str, Check], kind: type,

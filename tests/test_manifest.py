@@ -89,6 +89,9 @@ BAD_FIELDS = {
     "special_tokens as a list": ("special_tokens", setter("special_tokens", ["<s>"])),
     "special token id for a string": ("special_tokens", setter("special_tokens",
                                                                {"bos_token": 0})),
+    "negative default temperature": ("generation", setter("generation", {"temperature": -1})),
+    "unknown sampling default": ("generation", setter("generation", {"min_p": 0.1})),
+    "top_p default of 0": ("generation", setter("generation", {"top_p": 0})),
 }
 
 

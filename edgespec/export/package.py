@@ -105,7 +105,13 @@ def export_pair(
                 specs[role] = _export_model(ckpt, tmp, role, variants[role], graph, validation,
                                             report)
         with report.step("writing tokenizer and manifest"):
-            manifest = _write_package(tmp, target_ckpt, draft_ckpt, specs, vocab_size)
+            defaults, ignored = target_ckpt.sampling_defaults
+            if defaults:
+                shown = ", ".join(f"{k} {v:g}" for k, v in defaults.items())
+                report.detail(f"sampling defaults from generation_config.json: {shown}")
+            if ignored:
+                report.detail(f"in generation_config.json but not applied: {', '.join(ignored)}")
+            manifest = _write_package(tmp, target_ckpt, draft_ckpt, specs, vocab_size, defaults)
     return manifest
 
 
@@ -180,7 +186,8 @@ def _figures_line(figures: dict) -> str:
 
 
 def _write_package(
-    tmp: Path, target: Checkpoint, draft: Checkpoint, specs: dict, vocab_size: int
+    tmp: Path, target: Checkpoint, draft: Checkpoint, specs: dict, vocab_size: int,
+    generation: dict,
 ) -> Manifest:
     tokenizer = target.tokenizer
     tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
@@ -198,6 +205,7 @@ def _write_package(
         add_bos_token=_adds_bos(tokenizer),
         chat_template=None if template is None else CHAT_TEMPLATE_NAME,
         special_tokens=dict(tokenizer.special_tokens_map) if template is not None else {},
+        generation=generation,
         source={"target": str(target.path.resolve()), "draft": str(draft.path.resolve())},
         edgespec_version=edgespec.__version__,
     )

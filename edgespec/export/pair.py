@@ -16,6 +16,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from edgespec.errors import ExportError, IncompatiblePairError
 
 
+# generation_config.json settings edgespec's sampler does not apply (yet): named at export
+UNSUPPORTED_GENERATION = ("repetition_penalty", "min_p", "typical_p", "no_repeat_ngram_size")
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A Hugging Face causal LM folder, read but not loaded."""
@@ -33,6 +37,27 @@ class Checkpoint:
     def max_positions(self) -> int:
         text = self.config.get_text_config()
         return getattr(text, "max_position_embeddings", None) or text.n_positions
+
+    @property
+    def sampling_defaults(self) -> tuple[dict, list[str]]:
+        """What generation_config.json asks of sampling, as edgespec's settings, and the
+        settings it names that edgespec does not apply.
+
+        transformers samples only with ``do_sample``; then temperature, top_k (50 unless set)
+        and top_p apply. Without do_sample it decodes greedily: temperature 0 here.
+        """
+        try:
+            config = GenerationConfig.from_pretrained(self.path)
+        except OSError:  # no generation_config.json: no defaults of its own
+            return {}, []
+        ignored = [f"{name} {getattr(config, name)}" for name in UNSUPPORTED_GENERATION
+                   if getattr(config, name, None) not in (None, 1.0, 0, 0.0, False)]
+        if not config.do_sample:
+            return {"temperature": 0.0}, ignored
+        temperature = config.temperature if config.temperature is not None else 1.0
+        defaults = {"temperature": float(temperature), "top_k": int(config.top_k or 0),
+                    "top_p": float(config.top_p or 1.0)}
+        return defaults, ignored
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -92,6 +92,9 @@ class Pipeline:
         )
         for warning in {self.target.warning, self.draft.warning} - {None}:
             warnings.warn(warning, stacklevel=2)
+        # the package's sampling defaults (its target's generation_config.json), for requests
+        # that set none; without them greedy, GenerationConfig's default
+        self.default_sampling = SamplingConfig(**m.generation)
         self._costs: dict[int, StepCosts] = {}
         self.calibration_s: dict[int, float] = {}  # per kmax: seconds spent finding the costs
         self.calibration: dict[int, str] = {}  # per kmax: "measured" or "stored" (read back)
@@ -113,7 +116,7 @@ class Pipeline:
     def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None, **settings) -> TextStream:
         """Generate, yielding text pieces as they are decoded. Settings as for ``generate``;
         ``prompt`` as for ``encode``: text or token ids."""
-        config = make_config(config, **settings)
+        config = make_config(config, self.default_sampling, **settings)
         prompt_ids = self.encode(prompt)
         limit = self.manifest.max_positions
         if len(prompt_ids) >= limit:
@@ -195,6 +198,8 @@ class Pipeline:
 
         ``config`` gives every setting at once; keyword settings override its fields:
         max_new_tokens, gamma, schedule, use_draft, seed, stop, temperature, top_k, top_p.
+        Without ``config``, sampling starts from the package's defaults (``default_sampling``:
+        its target's generation_config.json, else greedy) and keyword settings override them.
         """
         stream = self.stream(prompt, config, **settings)
         for _ in stream:
@@ -258,14 +263,16 @@ def check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
     return [int(i) for i in ids]
 
 
-def make_config(config: GenerationConfig | None = None, **settings) -> GenerationConfig:
-    """A GenerationConfig from an optional base and flat keyword settings."""
+def make_config(config: GenerationConfig | None = None,
+                default_sampling: SamplingConfig | None = None, **settings) -> GenerationConfig:
+    """A GenerationConfig from an optional base and flat keyword settings; without a base,
+    sampling starts from ``default_sampling`` (a package's defaults)."""
     if config is not None and not isinstance(config, GenerationConfig):
         raise ConfigError(
             f"config must be a GenerationConfig, got {type(config).__name__}; "
             "pass settings as keywords"
         )
-    config = config or GenerationConfig()
+    config = config or GenerationConfig(sampling=default_sampling or SamplingConfig())
     sampling = {k: settings.pop(k) for k in list(settings) if k in _SAMPLING_FIELDS}
     if "stop" in settings:
         stop = settings["stop"]

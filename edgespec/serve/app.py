@@ -229,12 +229,25 @@ def _encode(server: Server, prompt: str | list[int], param: str) -> list[int]:
     return ids
 
 
+# OpenAI's sampling defaults, for a package whose target brought none (vLLM does the same)
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}
+
+
+def _sampling(server: Server, body: Settings) -> dict:
+    """The request's sampling settings; those it omits from the package's generation
+    defaults, else OpenAI's."""
+    defaults = server.pipe.manifest.generation or OPENAI_SAMPLING
+    given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k")
+             if getattr(body, name) is not None}
+    return {**defaults, **given}
+
+
 def _submit(server: Server, body: Settings, prompt_ids: list[int], max_tokens: int) -> Job:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     try:
         stream = server.pipe.stream(
-            prompt_ids, max_new_tokens=max_tokens, temperature=body.temperature,
-            top_p=body.top_p, top_k=body.top_k, gamma=body.gamma, schedule=body.schedule,
+            prompt_ids, max_new_tokens=max_tokens, **_sampling(server, body),
+            gamma=body.gamma, schedule=body.schedule,
             use_draft=body.use_draft, seed=body.seed, stop=stop, ignore_eos=body.ignore_eos)
     except EdgespecError as e:  # ConfigError names the setting first: "top_k must be ..."
         field = str(e).split(" ", 1)[0]

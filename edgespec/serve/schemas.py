@@ -30,8 +30,10 @@ class Settings(_Body):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's default and range; 0 is greedy
-    top_p: float = Field(1.0, gt=0, le=1)
+    # omitted: the package's defaults (its generation_config.json), else OpenAI's (1 and 1);
+    # OpenAI's range; 0 is greedy
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0)
     stream: bool = False
@@ -44,7 +46,7 @@ class Settings(_Body):
     logit_bias: dict[str, float] | None = None
     logprobs: bool | int | None = None
     # edgespec's own
-    top_k: int = Field(0, ge=0)
+    top_k: int | None = Field(None, ge=0)  # omitted: the package's default, else 0 (all)
     gamma: int = Field(4, ge=1, le=MAX_GAMMA)
     schedule: Literal[SCHEDULES] = "fixed"  # type: ignore[valid-type]
     use_draft: bool = True
