@@ -153,6 +153,7 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
     elif variant in QUANTIZATIONS:
         report.detail(f"quantizing the weights to {variant}")
         quantize_weights(folder, bits=int(variant[3:]), tied=tied, int8_compute=role == "draft")
+        stored = store_exact_halves(folder)  # what stayed float (int8: the embedding table)
     elif graph == "optimum":
         stored = store_exact_halves(folder)
     spec = replace(describe_graph(folder, root, **about), graph=graph, stored=dict(stored),

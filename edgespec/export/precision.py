@@ -44,8 +44,10 @@ def store_exact_halves(folder: Path) -> dict[str, int]:
     For graphs written by optimum, which upcasts every weight: lossless, since only weights
     whose every value survives the round trip are converted, and onnxruntime folds each Cast
     into a float32 weight when the session loads, so the graph computes exactly as before.
-    A checkpoint saved in bf16 or fp16 gets back to its own size this way. Returns the number
-    of float weights per stored type.
+    A checkpoint saved in bf16 or fp16 gets back to its own size this way. After int8
+    quantization it keeps the embedding table, which stays float32 for the Gather, at its
+    checkpoint's size; quantized operators' scales stay float32 initializers, as their kernels
+    prepack them. Returns the number of float weights per stored type.
     """
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -53,8 +55,11 @@ def store_exact_halves(folder: Path) -> dict[str, int]:
     model = _load(folder)
     counts = {"float": 0, "bfloat16": 0, "float16": 0}
     casts = []
+    quantized_inputs = {name for node in model.graph.node
+                        if node.op_type in ("MatMulNBits", "GatherBlockQuantized")
+                        for name in node.input}
     for init in model.graph.initializer:
-        if init.data_type != TensorProto.FLOAT:
+        if init.data_type != TensorProto.FLOAT or init.name in quantized_inputs:
             continue
         weights = numpy_helper.to_array(init)
         half = _exact_half(weights) if weights.size >= _MIN_WEIGHT_SIZE else None
