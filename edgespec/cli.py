@@ -19,6 +19,7 @@ from edgespec.config import (
     EXPORT_GRAPHS,
     EXPORT_QUANTIZATIONS,
     EXPORT_VALIDATIONS,
+    DRAFTERS,
     PROVIDERS,
     SCHEDULES,
     GenerationConfig,
@@ -147,8 +148,9 @@ def main() -> None:
 @main.command()
 @click.option("--target", required=True, type=click.Path(path_type=Path),
               help="Hugging Face folder of the large model whose output you want.")
-@click.option("--draft", required=True, type=click.Path(path_type=Path),
-              help="Hugging Face folder of the small model that proposes tokens.")
+@click.option("--draft", type=click.Path(path_type=Path),
+              help="Hugging Face folder of the small model that proposes tokens. Without it: "
+                   "a target-only package, decoded with n-gram drafting.")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Package folder to create.")
 @click.option("--overwrite", is_flag=True,
@@ -169,19 +171,20 @@ def main() -> None:
               help="strict: a graph that fails validation stops the export; report: write the "
                    "package anyway and record the figures; skip: no validation.")
 @_user_errors
-def export(target: Path, draft: Path, out: Path, overwrite: bool, graph: str, dtype: str,
+def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: str, dtype: str,
            quantize: str | None, draft_quantize: str, validation: str) -> None:
-    """Export a target/draft pair to one ONNX package (needs edgespec[export])."""
+    """Export a target/draft pair (or a target alone) to one ONNX package (needs edgespec[export])."""
     exporter = _needs_export_extra("edgespec.export")
     manifest = exporter.export_pair(target, draft, out, overwrite, dtype, quantize, graph,
                                     progress=lambda line: click.echo(line, err=True),
                                     validation=validation,
                                     draft_quantize=None if draft_quantize == "none" else
                                     draft_quantize)
+    draft_size = (f"draft {manifest.draft.parameters / 1e6:.1f}M" if manifest.draft
+                  else "no draft (target only: n-gram drafting)")
     click.echo(
-        f"wrote {out}: target {manifest.target.parameters / 1e6:.1f}M and draft "
-        f"{manifest.draft.parameters / 1e6:.1f}M parameters, vocabulary {manifest.vocab_size}, "
-        f"context {manifest.max_positions}",
+        f"wrote {out}: target {manifest.target.parameters / 1e6:.1f}M parameters, {draft_size}, "
+        f"vocabulary {manifest.vocab_size}, context {manifest.max_positions}",
         err=True,
     )
 
@@ -200,6 +203,14 @@ def export(target: Path, draft: Path, out: Path, overwrite: bool, graph: str, dt
               help="How each round's draft length is chosen.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling.")
 @click.option("--stop", multiple=True, help="Stop at this string (repeatable).")
+@click.option("--drafter", default=_DEFAULTS.drafter, show_default=True,
+              type=click.Choice(DRAFTERS),
+              help="What proposes tokens: the package's draft model, an n-gram lookup of the "
+                   "text so far, or none; auto: model if the package has one, else ngram.")
+@click.option("--ngram-max", default=_DEFAULTS.ngram_max, show_default=True,
+              help="Longest suffix the n-gram lookup matches.")
+@click.option("--ngram-min", default=_DEFAULTS.ngram_min, show_default=True,
+              help="Shortest suffix the n-gram lookup matches.")
 @click.option("--no-draft", is_flag=True, help="Decode with the target alone (the baseline).")
 @click.option("--ignore-eos", is_flag=True, help="Generate --max-new-tokens even past EOS.")
 @click.option("--provider", default="auto", show_default=True,
@@ -210,7 +221,7 @@ def export(target: Path, draft: Path, out: Path, overwrite: bool, graph: str, dt
 @_user_errors
 def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float, top_k: int,
              top_p: float, gamma: int, schedule: str, seed: int | None, stop: tuple[str, ...],
-             no_draft: bool, ignore_eos: bool, provider: str, draft_provider: str | None,
+             drafter: str, ngram_max: int, ngram_min: int, no_draft: bool, ignore_eos: bool, provider: str, draft_provider: str | None,
              as_json: bool) -> None:
     """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair)."""
     load = _runtime().load
@@ -230,6 +241,9 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float, top
         seed=seed,
         stop=stop,
         ignore_eos=ignore_eos,
+        drafter=drafter,
+        ngram_min=ngram_min,
+        ngram_max=ngram_max,
     )
     pipe = load(package, provider=provider, draft_provider=draft_provider)
     stream = pipe.stream(prompt, config)
@@ -318,13 +332,17 @@ def models() -> None:
 
 
 @models.command("list")
+@click.argument("packages", nargs=-1, type=click.Path(path_type=Path))
 @_user_errors
-def list_models() -> None:
-    """Show the bundled model pairs, their size and where they live."""
-    from edgespec.models import describe_pairs
+def list_models(packages: tuple[Path, ...]) -> None:
+    """Show the bundled model pairs (and any PACKAGES given), their size and where they live."""
+    from edgespec.models import describe_package, describe_pairs
 
     for line in describe_pairs():
         click.echo(line)
+    for package in packages:
+        for line in describe_package(package.name, package):
+            click.echo(line)
 
 
 @models.command("build-demo")

@@ -132,6 +132,7 @@ class GenerationStats:
         if self.speculative:
             line += (
                 f", acceptance {self.acceptance_rate:.0%} of {self.drafted} drafted"
+                f"{f' by {self.drafter}' if self.drafter else ''}"
                 f", {self.tokens_per_target_call:.2f} tokens/target call"
             )
         if self.calibration_s:
