@@ -283,6 +283,9 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--schedule", "schedules", default="fixed", show_default=True,
               help="Draft-length schedules, comma-separated: fixed runs every --gamma; "
                    "heuristic and adaptive run once with the largest.")
+@click.option("--drafter", "drafters", default="auto", show_default=True,
+              help="Drafters to compare, comma-separated: model, ngram, auto (model if the "
+                   "package has one, else ngram); each against target-only runs.")
 @click.option("--max-new-tokens", "-n", default=_DEFAULTS.max_new_tokens, show_default=True)
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
               help="Prompts, one per line (or JSON Lines of strings). "
@@ -294,8 +297,8 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--provider", default="auto", show_default=True,
               type=click.Choice(PROVIDERS))
 @_user_errors
-def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, max_new_tokens: int,
-          prompts_file: Path | None, repeats: int, json_out: Path | None,
+def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, drafters: str,
+          max_new_tokens: int, prompts_file: Path | None, repeats: int, json_out: Path | None,
           plot_out: Path | None, provider: str) -> None:
     """Speedup of speculative over target-only decoding, measured side by side."""
     load = _runtime().load
@@ -306,13 +309,15 @@ def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, 
     except ValueError as e:
         raise click.ClickException(f"--gamma/--temperature: {e}") from None
     config = benchmark.BenchConfig(gamma_list, temperature_list, max_new_tokens, repeats,
-                                   schedules=tuple(schedules.split(",")))
+                                   schedules=tuple(schedules.split(",")),
+                                   drafters=tuple(drafters.split(",")))
     if json_out:  # outputs checked now: the benchmark may take many minutes
         benchmark.check_writable(json_out, "--json")
     if plot_out:
         benchmark.check_plotting(plot_out)
     package = package or _demo_package()
     pipe = load(package, provider=provider)
+    benchmark.check_drafters(pipe, config)
     prompts = benchmark.read_prompts(prompts_file or package / benchmark.PROMPTS_NAME)
     total = benchmark.total_runs(config, len(prompts))
     with click.progressbar(length=total, label="benchmarking", file=sys.stderr) as bar:
