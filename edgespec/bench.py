@@ -247,7 +247,8 @@ def format_table(report: BenchReport) -> str:
         "the same runs (target step: target-only runs; draft step and verify of k+1 tokens: "
         "speculative runs)",
         "",
-        f"{'temp':>5} {'drafter':>7} {'schedule':>9} {'gamma':>5} {'target tok/s':>12} {'spec tok/s':>10} "
+        f"{'temp':>5} {'drafter':>7} {'schedule':>9} {'gamma':>5} {'target tok/s':>12} "
+        f"{'spec tok/s':>10} "
         f"{'speedup':>7} {'accept':>6} {'alpha':>5} {'tok/call':>8} {'step':>5} {'draft':>5} "
         f"{'verify':>6} {'expected':>8} {'effic.':>6}",
     ]
@@ -255,7 +256,8 @@ def format_table(report: BenchReport) -> str:
         expected = f"{r.expected_speedup:>7.2f}x {r.efficiency:>6.0%}" if r.expected_speedup else (
             f"{'-':>8} {'-':>6}")
         lines.append(
-            f"{r.temperature:>5.2g} {r.drafter:>7} {r.schedule:>9} {r.gamma:>5} {r.baseline_tokens_per_s:>12.1f} "
+            f"{r.temperature:>5.2g} {r.drafter:>7} {r.schedule:>9} {r.gamma:>5} "
+            f"{r.baseline_tokens_per_s:>12.1f} "
             f"{r.tokens_per_s:>10.1f} {r.speedup:>6.2f}x {r.acceptance_rate:>6.0%} "
             f"{r.alpha:>5.2f} {r.tokens_per_target_call:>8.2f} {r.target_step_ms:>5.2f} "
             f"{r.draft_step_ms:>5.2f} {r.verify_ms:>6.2f} {expected}"

@@ -173,7 +173,8 @@ def main() -> None:
 @_user_errors
 def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: str, dtype: str,
            quantize: str | None, draft_quantize: str, validation: str) -> None:
-    """Export a target/draft pair (or a target alone) to one ONNX package (needs edgespec[export])."""
+    """Export a target/draft pair, or a target alone, to one ONNX package (needs
+    edgespec[export])."""
     exporter = _needs_export_extra("edgespec.export")
     manifest = exporter.export_pair(target, draft, out, overwrite, dtype, quantize, graph,
                                     progress=lambda line: click.echo(line, err=True),
@@ -221,8 +222,8 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
 @_user_errors
 def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float, top_k: int,
              top_p: float, gamma: int, schedule: str, seed: int | None, stop: tuple[str, ...],
-             drafter: str, ngram_max: int, ngram_min: int, no_draft: bool, ignore_eos: bool, provider: str, draft_provider: str | None,
-             as_json: bool) -> None:
+             drafter: str, ngram_max: int, ngram_min: int, no_draft: bool, ignore_eos: bool,
+             provider: str, draft_provider: str | None, as_json: bool) -> None:
     """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair)."""
     load = _runtime().load
 

@@ -110,7 +110,9 @@ class GenerationConfig:
         if self.drafter not in DRAFTERS:
             raise ConfigError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
         if not (_is_int(self.ngram_max) and 1 <= self.ngram_max <= MAX_NGRAM):
-            raise ConfigError(f"ngram_max must be an integer in 1..{MAX_NGRAM}, got {self.ngram_max!r}")
+            raise ConfigError(
+                f"ngram_max must be an integer in 1..{MAX_NGRAM}, got {self.ngram_max!r}"
+            )
         if not (_is_int(self.ngram_min) and 1 <= self.ngram_min <= self.ngram_max):
             raise ConfigError(f"ngram_min must be an integer in 1..ngram_max ({self.ngram_max}), "
                               f"got {self.ngram_min!r}")
