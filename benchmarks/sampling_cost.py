@@ -29,6 +29,7 @@ import numpy as np
 
 from edgespec.config import SamplingConfig
 from edgespec.runtime.sampling import PositionUniforms, process_logits, sample, verify
+from edgespec.runtime.drafters import ModelDrafter
 from edgespec.runtime.speculative import Decoder, speculative_round
 from edgespec.runtime.stats import GenerationStats
 
@@ -56,6 +57,9 @@ class FakeSession:
     def __init__(self, rows: np.ndarray):
         self.rows = rows  # [k+1, V] float32
 
+    def new_cache(self, positions: int | None = None) -> FakeCache:
+        return FakeCache(CONTEXT - 1)
+
     def forward(self, tokens: np.ndarray, cache: FakeCache) -> np.ndarray:
         start = cache.length - (CONTEXT - 1)
         cache.length += len(tokens)
@@ -73,8 +77,8 @@ def fast_round(draft_rows, target_rows, k, sampling, seed) -> tuple[float, int]:
     """Seconds of sampling in one ``speculative_round``, and tokens it committed."""
     committed = list(range(CONTEXT))
     target = Decoder(FakeSession(target_rows), FakeCache(CONTEXT - 1))
-    draft = Decoder(FakeSession(draft_rows), FakeCache(CONTEXT - 1))
     stats = GenerationStats(speculative=True)
+    draft = ModelDrafter(FakeSession(draft_rows), stats)
     uniforms = PositionUniforms(seed, first=CONTEXT)
     new = speculative_round(target, draft, committed, k, sampling, uniforms, stats)
     return stats.sampling_s, len(new)

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from edgespec.config import SCHEDULES, GenerationConfig, SamplingConfig
+from edgespec.config import DRAFTERS, SCHEDULES, GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError, EdgespecError
 from edgespec.manifest import PROMPTS_NAME
+from edgespec.runtime.drafters import resolve_drafter
 from edgespec.runtime.machine import describe, machine_info
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.runtime.schedule import expected_tokens
@@ -34,11 +35,16 @@ class BenchConfig:
     repeats: int = 3
     seed: int = 0
     schedules: tuple[str, ...] = ("fixed",)  # others run once, with the largest gamma as kmax
+    drafters: tuple[str, ...] = ("auto",)  # each runs every schedule and gamma
 
     def __post_init__(self) -> None:
         unknown = set(self.schedules) - set(SCHEDULES)
         if unknown or not self.schedules:
             raise ConfigError(f"schedules must be among {', '.join(SCHEDULES)}, got {self.schedules}")
+        drafters = set(DRAFTERS) - {"none"}  # none is the baseline every row is measured against
+        if set(self.drafters) - drafters or not self.drafters:
+            raise ConfigError(f"drafters must be among {', '.join(sorted(drafters))}, "
+                              f"got {self.drafters}")
         if not self.gammas or min(self.gammas) < 1:
             raise ConfigError(f"gammas must be >= 1, got {self.gammas}")
         if not self.temperatures or min(self.temperatures) < 0:
@@ -46,15 +52,17 @@ class BenchConfig:
         if self.repeats < 1:
             raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
         for temperature in self.temperatures:  # every run's settings, refused now, not mid-way
-            for schedule, gamma in self.variants:
+            for drafter, schedule, gamma in self.variants:
                 GenerationConfig(self.max_new_tokens, SamplingConfig(temperature), gamma,
-                                 schedule, seed=self.seed)
+                                 schedule, seed=self.seed, drafter=drafter)
 
     @property
-    def variants(self) -> list[tuple[str, int]]:
-        """(schedule, gamma) pairs to run: every gamma fixed, then the adaptive schedules."""
+    def variants(self) -> list[tuple[str, str, int]]:
+        """(drafter, schedule, gamma) to run: per drafter every gamma fixed, then the adaptive
+        schedules."""
         fixed = [("fixed", g) for g in self.gammas] if "fixed" in self.schedules else []
-        return fixed + [(s, max(self.gammas)) for s in self.schedules if s != "fixed"]
+        others = [(s, max(self.gammas)) for s in self.schedules if s != "fixed"]
+        return [(d, *v) for d in self.drafters for v in fixed + others]
 
 
 def expected_speedup(alpha: float, k: int, draft_ms: float, verify_ms: float,
@@ -74,6 +82,7 @@ class Row:
     """One configuration's medians."""
 
     temperature: float
+    drafter: str  # "model" or "ngram" (runtime/drafters.py)
     schedule: str
     gamma: int  # k when fixed; the starting or largest k otherwise
     baseline_tokens_per_s: float
@@ -125,15 +134,15 @@ def run_bench(
         raise EdgespecError("no prompts to benchmark; give at least one")
     progress = progress or (lambda n: None)
     machine = machine_info()  # the load average before this process adds to it
+    check_drafters(pipe, config)
     pipe.generate(prompts[0], max_new_tokens=8)  # warm both sessions up
-    sessions = {role: {**asdict(c), "providers": s.providers} for (role, c), s
-                in zip(pipe.session_configs.items(), (pipe.target, pipe.draft))}
-    report = BenchReport(config, prompts=len(prompts), machine=machine, sessions=sessions,
+    report = BenchReport(config, prompts=len(prompts), machine=machine,
+                         sessions=pipe.describe_sessions(),
                          package=str(pipe.path), command=command)
     done = 0
     for temperature in config.temperatures:
         sampling = SamplingConfig(temperature)
-        runs: dict[tuple[str, int], list] = {v: [] for v in config.variants}
+        runs: dict[tuple[str, str, int], list] = {v: [] for v in config.variants}
         for repeat in range(config.repeats):
             for i, prompt in enumerate(prompts):
                 seed = config.seed + 1000 * repeat + i
@@ -141,21 +150,29 @@ def run_bench(
                 base = GenerationConfig(config.max_new_tokens, sampling, use_draft=False,
                                         seed=seed, ignore_eos=True)
                 baseline = pipe.generate(prompt, base).stats
-                for schedule, gamma in config.variants:
+                for drafter, schedule, gamma in config.variants:
                     spec = GenerationConfig(config.max_new_tokens, sampling, gamma, schedule,
-                                            seed=seed, ignore_eos=True)
-                    runs[schedule, gamma].append((baseline, pipe.generate(prompt, spec).stats))
+                                            seed=seed, ignore_eos=True, drafter=drafter)
+                    runs[drafter, schedule, gamma].append(
+                        (baseline, pipe.generate(prompt, spec).stats))
                 done += 1 + len(config.variants)
                 progress(done)
         report.rows += [_summarise(temperature, *v, runs[v]) for v in config.variants]
     return report
 
 
+def check_drafters(pipe: Pipeline, config: BenchConfig) -> None:
+    """Refuse, before any run, a drafter the package lacks (the draft model of a target-only
+    package)."""
+    for drafter in config.drafters:
+        resolve_drafter(GenerationConfig(drafter=drafter), has_draft=pipe.draft is not None)
+
+
 def total_runs(config: BenchConfig, prompts: int) -> int:
     return len(config.temperatures) * config.repeats * prompts * (1 + len(config.variants))
 
 
-def _summarise(temperature: float, schedule: str, gamma: int, pairs: list) -> Row:
+def _summarise(temperature: float, drafter: str, schedule: str, gamma: int, pairs: list) -> Row:
     """Rates and speedups are medians over runs; acceptance and step costs pool all the runs'
     rounds and calls (GenerationStats.combined)."""
     median = statistics.median
@@ -165,13 +182,15 @@ def _summarise(temperature: float, schedule: str, gamma: int, pairs: list) -> Ro
     step_ms = 1e3 * base.target_s / base.target_calls
     draft_ms = 1e3 * spec.draft_s / max(1, spec.draft_calls)
     verify_ms = 1e3 * spec.target_s / spec.target_calls
-    # the formula assumes k fixed; for the adaptive schedules it is left out
+    # the formula assumes k drafted every round: not for the adaptive schedules, nor for the
+    # n-gram lookup, which drafts only where it finds a match
     expected = (
         expected_speedup(spec.alpha, gamma, draft_ms, verify_ms, step_ms, temperature > 0)
-        if schedule == "fixed" else None
+        if schedule == "fixed" and spec.drafter == "model" else None
     )
     return Row(
         temperature=temperature,
+        drafter=spec.drafter,
         schedule=schedule,
         gamma=gamma,
         baseline_tokens_per_s=median(b.tokens_per_s for b, _ in pairs),
@@ -244,7 +263,8 @@ def format_table(report: BenchReport) -> str:
         "the same runs (target step: target-only runs; draft step and verify of k+1 tokens: "
         "speculative runs)",
         "",
-        f"{'temp':>5} {'schedule':>9} {'gamma':>5} {'target tok/s':>12} {'spec tok/s':>10} "
+        f"{'temp':>5} {'drafter':>7} {'schedule':>9} {'gamma':>5} {'target tok/s':>12} "
+        f"{'spec tok/s':>10} "
         f"{'speedup':>7} {'accept':>6} {'alpha':>5} {'tok/call':>8} {'step':>5} {'draft':>5} "
         f"{'verify':>6} {'expected':>8} {'effic.':>6}",
     ]
@@ -252,7 +272,8 @@ def format_table(report: BenchReport) -> str:
         expected = f"{r.expected_speedup:>7.2f}x {r.efficiency:>6.0%}" if r.expected_speedup else (
             f"{'-':>8} {'-':>6}")
         lines.append(
-            f"{r.temperature:>5.2g} {r.schedule:>9} {r.gamma:>5} {r.baseline_tokens_per_s:>12.1f} "
+            f"{r.temperature:>5.2g} {r.drafter:>7} {r.schedule:>9} {r.gamma:>5} "
+            f"{r.baseline_tokens_per_s:>12.1f} "
             f"{r.tokens_per_s:>10.1f} {r.speedup:>6.2f}x {r.acceptance_rate:>6.0%} "
             f"{r.alpha:>5.2f} {r.tokens_per_target_call:>8.2f} {r.target_step_ms:>5.2f} "
             f"{r.draft_step_ms:>5.2f} {r.verify_ms:>6.2f} {expected}"
@@ -265,11 +286,15 @@ def plot(report: BenchReport, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for i, temperature in enumerate(report.config.temperatures):
-        rows = [r for r in report.rows if r.temperature == temperature and r.schedule == "fixed"]
-        gammas = [r.gamma for r in rows]
-        color = f"C{i}"
-        ax.plot(gammas, [r.speedup for r in rows], "o-", color=color, label=f"T={temperature:g}")
-        ax.plot(gammas, [r.expected_speedup for r in rows], "--", color=color, alpha=0.6)
+        for drafter, marker in zip(dict.fromkeys(r.drafter for r in report.rows), "os^"):
+            rows = [r for r in report.rows if r.temperature == temperature
+                    and r.schedule == "fixed" and r.drafter == drafter]
+            gammas = [r.gamma for r in rows]
+            color = f"C{i}"
+            ax.plot(gammas, [r.speedup for r in rows], f"{marker}-", color=color,
+                    label=f"T={temperature:g} {drafter}")
+            if all(r.expected_speedup for r in rows):
+                ax.plot(gammas, [r.expected_speedup for r in rows], "--", color=color, alpha=0.6)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("gamma (draft tokens per round)")
     ax.set_ylabel("speedup over target-only")

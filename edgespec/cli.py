@@ -21,6 +21,7 @@ from edgespec.config import (
     EXPORT_GRAPHS,
     EXPORT_QUANTIZATIONS,
     EXPORT_VALIDATIONS,
+    DRAFTERS,
     PROVIDERS,
     SCHEDULES,
     GenerationConfig,
@@ -167,8 +168,9 @@ def main() -> None:
 @main.command()
 @click.option("--target", required=True, type=click.Path(path_type=Path),
               help="Hugging Face folder of the large model whose output you want.")
-@click.option("--draft", required=True, type=click.Path(path_type=Path),
-              help="Hugging Face folder of the small model that proposes tokens.")
+@click.option("--draft", type=click.Path(path_type=Path),
+              help="Hugging Face folder of the small model that proposes tokens. Without it: "
+                   "a target-only package, decoded with n-gram drafting.")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Package folder to create.")
 @click.option("--overwrite", is_flag=True,
@@ -189,19 +191,21 @@ def main() -> None:
               help="strict: a graph that fails validation stops the export; report: write the "
                    "package anyway and record the figures; skip: no validation.")
 @_user_errors
-def export(target: Path, draft: Path, out: Path, overwrite: bool, graph: str, dtype: str,
+def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: str, dtype: str,
            quantize: str | None, draft_quantize: str, validation: str) -> None:
-    """Export a target/draft pair to one ONNX package (needs edgespec[export])."""
+    """Export a target/draft pair, or a target alone, to one ONNX package (needs
+    edgespec[export])."""
     exporter = _needs_export_extra("edgespec.export")
     manifest = exporter.export_pair(target, draft, out, overwrite, dtype, quantize, graph,
                                     progress=lambda line: click.echo(line, err=True),
                                     validation=validation,
                                     draft_quantize=None if draft_quantize == "none" else
                                     draft_quantize)
+    draft_size = (f"draft {manifest.draft.parameters / 1e6:.1f}M" if manifest.draft
+                  else "no draft (target only: n-gram drafting)")
     click.echo(
-        f"wrote {out}: target {manifest.target.parameters / 1e6:.1f}M and draft "
-        f"{manifest.draft.parameters / 1e6:.1f}M parameters, vocabulary {manifest.vocab_size}, "
-        f"context {manifest.max_positions}",
+        f"wrote {out}: target {manifest.target.parameters / 1e6:.1f}M parameters, {draft_size}, "
+        f"vocabulary {manifest.vocab_size}, context {manifest.max_positions}",
         err=True,
     )
 
@@ -221,6 +225,14 @@ def export(target: Path, draft: Path, out: Path, overwrite: bool, graph: str, dt
               help="How each round's draft length is chosen.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling.")
 @click.option("--stop", multiple=True, help="Stop at this string (repeatable).")
+@click.option("--drafter", default=_DEFAULTS.drafter, show_default=True,
+              type=click.Choice(DRAFTERS),
+              help="What proposes tokens: the package's draft model, an n-gram lookup of the "
+                   "text so far, or none; auto: model if the package has one, else ngram.")
+@click.option("--ngram-max", default=_DEFAULTS.ngram_max, show_default=True,
+              help="Longest suffix the n-gram lookup matches.")
+@click.option("--ngram-min", default=_DEFAULTS.ngram_min, show_default=True,
+              help="Shortest suffix the n-gram lookup matches.")
 @click.option("--no-draft", is_flag=True, help="Decode with the target alone (the baseline).")
 @click.option("--ignore-eos", is_flag=True, help="Generate --max-new-tokens even past EOS.")
 @click.option("--provider", default="auto", show_default=True,
@@ -230,9 +242,10 @@ def export(target: Path, draft: Path, out: Path, overwrite: bool, graph: str, dt
 @click.option("--json", "as_json", is_flag=True, help="Print text and stats as one JSON object.")
 @_user_errors
 def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | None,
-             top_k: int | None, top_p: float | None, gamma: int, schedule: str, seed: int | None, stop: tuple[str, ...],
-             no_draft: bool, ignore_eos: bool, provider: str, draft_provider: str | None,
-             as_json: bool) -> None:
+             top_k: int | None, top_p: float | None, gamma: int, schedule: str,
+             seed: int | None, stop: tuple[str, ...], drafter: str, ngram_max: int,
+             ngram_min: int, no_draft: bool, ignore_eos: bool, provider: str,
+             draft_provider: str | None, as_json: bool) -> None:
     """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair)."""
     load = _runtime().load
 
@@ -256,6 +269,9 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
         seed=seed,
         stop=stop,
         ignore_eos=ignore_eos,
+        drafter=drafter,
+        ngram_min=ngram_min,
+        ngram_max=ngram_max,
     )
     pipe = load(package, provider=provider, draft_provider=draft_provider)
     config = replace(config, sampling=replace(pipe.default_sampling, **given))
@@ -296,6 +312,9 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--schedule", "schedules", default="fixed", show_default=True,
               help="Draft-length schedules, comma-separated: fixed runs every --gamma; "
                    "heuristic and adaptive run once with the largest.")
+@click.option("--drafter", "drafters", default="auto", show_default=True,
+              help="Drafters to compare, comma-separated: model, ngram, auto (model if the "
+                   "package has one, else ngram); each against target-only runs.")
 @click.option("--max-new-tokens", "-n", default=_DEFAULTS.max_new_tokens, show_default=True)
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
               help="Prompts, one per line (or JSON Lines of strings). "
@@ -307,8 +326,8 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--provider", default="auto", show_default=True,
               type=click.Choice(PROVIDERS))
 @_user_errors
-def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, max_new_tokens: int,
-          prompts_file: Path | None, repeats: int, json_out: Path | None,
+def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, drafters: str,
+          max_new_tokens: int, prompts_file: Path | None, repeats: int, json_out: Path | None,
           plot_out: Path | None, provider: str) -> None:
     """Speedup of speculative over target-only decoding, measured side by side."""
     load = _runtime().load
@@ -319,13 +338,15 @@ def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, 
     except ValueError as e:
         raise click.ClickException(f"--gamma/--temperature: {e}") from None
     config = benchmark.BenchConfig(gamma_list, temperature_list, max_new_tokens, repeats,
-                                   schedules=tuple(schedules.split(",")))
+                                   schedules=tuple(schedules.split(",")),
+                                   drafters=tuple(drafters.split(",")))
     if json_out:  # outputs checked now: the benchmark may take many minutes
         benchmark.check_writable(json_out, "--json")
     if plot_out:
         benchmark.check_plotting(plot_out)
     package = package or _demo_package()
     pipe = load(package, provider=provider)
+    benchmark.check_drafters(pipe, config)
     prompts = benchmark.read_prompts(prompts_file or package / benchmark.PROMPTS_NAME)
     total = benchmark.total_runs(config, len(prompts))
     with click.progressbar(length=total, label="benchmarking", file=sys.stderr) as bar:
@@ -382,13 +403,17 @@ def models() -> None:
 
 
 @models.command("list")
+@click.argument("packages", nargs=-1, type=click.Path(path_type=Path))
 @_user_errors
-def list_models() -> None:
-    """Show the bundled model pairs, their size and where they live."""
-    from edgespec.models import describe_pairs
+def list_models(packages: tuple[Path, ...]) -> None:
+    """Show the bundled model pairs (and any PACKAGES given), their size and where they live."""
+    from edgespec.models import describe_package, describe_pairs
 
     for line in describe_pairs():
         click.echo(line)
+    for package in packages:
+        for line in describe_package(package.name, package):
+            click.echo(line)
 
 
 @models.command("build-demo")

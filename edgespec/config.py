@@ -9,6 +9,14 @@ from dataclasses import dataclass, field
 from edgespec.errors import ConfigError
 
 SCHEDULES = ("fixed", "heuristic", "adaptive")  # how the draft length k is chosen each round
+# What proposes the draft tokens (runtime/drafters.py): the package's draft model, a lookup of
+# the last tokens earlier in the text (n-gram / prompt lookup), nothing (target only); "auto" is
+# the draft model if the package has one, else the n-gram lookup.
+DRAFTERS = ("auto", "model", "ngram", "none")
+# Longest n-gram the lookup matches. Peers match 1..2 (transformers' prompt lookup), 1..4
+# (llama.cpp's lookup decoding) or up to a chosen prompt_lookup_max (vLLM); past 8 a match is
+# rarer than its shorter suffix and proposes the same token.
+MAX_NGRAM = 8
 PROVIDERS = ("auto", "cpu", "cuda", "tensorrt")  # where a graph runs (runtime/providers.py)
 # What `edgespec export` offers (export/): graph builders, compute types, weight quantizations
 # and validation modes. Here, not in export/, so that the CLI lists them without importing torch.
@@ -67,6 +75,12 @@ class GenerationConfig:
     stop: strings that end generation; the text is cut before the first one found.
     ignore_eos: keep generating after EOS until max_new_tokens (for benchmarks: runs of equal
         length whatever they sample).
+    drafter: "model" (the package's draft model), "ngram" (the last ngram_max..ngram_min tokens
+        looked up earlier in prompt and output, proposing what followed them), "none" (the
+        target alone) or "auto" (model if the package has a draft, else ngram). use_draft=False
+        means "none" whatever this says.
+    ngram_min, ngram_max: the shortest and longest suffix the n-gram lookup matches (longest
+        first); 1 <= ngram_min <= ngram_max <= 8.
     """
 
     max_new_tokens: int = 128
@@ -77,6 +91,9 @@ class GenerationConfig:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    drafter: str = "auto"
+    ngram_min: int = 1
+    ngram_max: int = 3
 
     def __post_init__(self) -> None:
         if not (_is_int(self.max_new_tokens) and self.max_new_tokens >= 1):
@@ -90,6 +107,15 @@ class GenerationConfig:
             )
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.drafter not in DRAFTERS:
+            raise ConfigError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        if not (_is_int(self.ngram_max) and 1 <= self.ngram_max <= MAX_NGRAM):
+            raise ConfigError(
+                f"ngram_max must be an integer in 1..{MAX_NGRAM}, got {self.ngram_max!r}"
+            )
+        if not (_is_int(self.ngram_min) and 1 <= self.ngram_min <= self.ngram_max):
+            raise ConfigError(f"ngram_min must be an integer in 1..ngram_max ({self.ngram_max}), "
+                              f"got {self.ngram_min!r}")
         for name in ("use_draft", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")

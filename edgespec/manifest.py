@@ -54,13 +54,15 @@ class ModelSpec:
 class Manifest:
     """What ``edgespec export`` wrote. ``vocab_size`` is the range shared by both models.
 
-    ``chat_template``: the file holding the target tokenizer's Jinja chat template, None when it
-    had none (and in packages from before templates were carried); ``special_tokens``: the
-    tokenizer's special token strings by name (bos_token, eos_token, ...), which templates use.
+    ``draft`` None (null in the file): a target-only package, decoded with n-gram drafting
+    (runtime/drafters.py) or the target alone. ``chat_template``: the file holding the target
+    tokenizer's Jinja chat template, None when it had none (and in packages from before
+    templates were carried); ``special_tokens``: the tokenizer's special token strings by name
+    (bos_token, eos_token, ...), which templates use.
     """
 
     target: ModelSpec
-    draft: ModelSpec
+    draft: ModelSpec | None
     vocab_size: int
     max_positions: int
     eos_token_ids: list[int]
@@ -75,6 +77,11 @@ class Manifest:
     source: dict = field(default_factory=dict)
     edgespec_version: str = ""
     format_version: int = FORMAT_VERSION
+
+    @property
+    def models(self) -> dict[str, ModelSpec]:
+        """The graphs the package holds by role: the target, and the draft if there is one."""
+        return {"target": self.target, **({"draft": self.draft} if self.draft else {})}
 
     def write(self, folder: Path) -> None:
         (Path(folder) / MANIFEST_NAME).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -106,10 +113,11 @@ class Manifest:
                 "re-export the pair with this version"
             )
         _check_fields(path, raw, MANIFEST_FIELDS, cls)
-        for role in ("target", "draft"):
+        roles = ("target", "draft") if raw["draft"] is not None else ("target",)
+        for role in roles:
             _check_fields(path, raw[role], SPEC_FIELDS, ModelSpec, f"{role}.")
-        manifest = cls(**{**raw, "target": ModelSpec(**raw["target"]),
-                          "draft": ModelSpec(**raw["draft"])})
+        specs = {role: ModelSpec(**raw[role]) for role in roles}
+        manifest = cls(**{**raw, "draft": None, **specs})
         manifest._check_consistency(path)
         manifest._check_files(folder)
         return manifest
@@ -117,7 +125,7 @@ class Manifest:
     def _check_consistency(self, path: Path) -> None:
         """What no single field shows: ids inside the shared vocabulary, which both graphs'
         logits cover, and one KV output for every KV input."""
-        for role, spec in (("target", self.target), ("draft", self.draft)):
+        for role, spec in self.models.items():
             if spec.vocab_size < self.vocab_size:
                 _refuse(path, f"{role}.vocab_size", spec.vocab_size,
                         f"at least the shared vocab_size {self.vocab_size}")
@@ -135,7 +143,7 @@ class Manifest:
         """Each file the manifest names exists, inside the folder once links are resolved: a
         package cannot make edgespec load a model or tokenizer from elsewhere."""
         root = folder.resolve()
-        named = {"target.path": self.target.path, "draft.path": self.draft.path,
+        named = {**{f"{role}.path": spec.path for role, spec in self.models.items()},
                  "tokenizer": self.tokenizer, "chat_template": self.chat_template}
         for name, relative in named.items():
             if relative is None:  # an optional file the package does not have
@@ -190,7 +198,8 @@ SPEC_FIELDS: dict[str, Check] = {
 }
 MANIFEST_FIELDS: dict[str, Check] = {
     "target": _OBJECT,
-    "draft": _OBJECT,
+    "draft": ("a JSON object, or null for a target-only package",
+              lambda v: v is None or isinstance(v, dict)),
     "vocab_size": _COUNT,
     "max_positions": _COUNT,
     "eos_token_ids": ("a list of token ids (integers >= 0)",

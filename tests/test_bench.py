@@ -134,3 +134,24 @@ def test_read_prompts_refuses_prompts_that_are_not_strings(tmp_path):
     path.write_text('{"prompt": 5}\n')
     with pytest.raises(EdgespecError, match="not JSON Lines of prompts"):
         read_prompts(path)
+
+
+def test_bench_compares_drafters_and_refuses_one_the_package_lacks(packages, checkpoints, tmp_path):
+    pipe = edgespec.load(packages["llama_noisy"])
+    config = BenchConfig(gammas=(2,), temperatures=(0.0,), max_new_tokens=12, repeats=1,
+                         schedules=("fixed", "adaptive"), drafters=("model", "ngram"))
+    report = run_bench(pipe, ["a b a b a b", "def add(a, b):"], config)
+    assert [(r.drafter, r.schedule) for r in report.rows] == [
+        ("model", "fixed"), ("model", "adaptive"), ("ngram", "fixed"), ("ngram", "adaptive")]
+    assert report.rows[0].expected_speedup and report.rows[2].expected_speedup is None
+    with pytest.raises(edgespec.EdgespecError, match="drafters must be among auto, model, ngram"):
+        BenchConfig(drafters=("lookup",))
+
+    from edgespec.export import export_pair
+
+    export_pair(checkpoints["llama_target"], None, tmp_path / "alone", validation="skip")
+    result = CliRunner().invoke(main, ["bench", str(tmp_path / "alone"), "--drafter", "model",
+                                       "--gamma", "2", "--temperature", "0", "-n", "4",
+                                       "--repeats", "1"])
+    assert result.exit_code == 1
+    assert "needs a draft model and this package is target only" in result.output

@@ -45,11 +45,15 @@ def test_the_checkpoints_sampling_settings_travel_into_the_manifest(sampled_pack
     assert any("not applied: repetition_penalty 1.1" in line for line in lines)
 
 
-def test_greedy_checkpoints_default_to_greedy_and_others_to_nothing(checkpoints, tmp_path):
+def test_greedy_checkpoints_default_to_greedy_and_silent_ones_to_nothing(checkpoints, tmp_path):
     target = with_generation_config(checkpoints, tmp_path, do_sample=False, temperature=0.6)
     manifest = export_pair(target, checkpoints["llama_noisy"], tmp_path / "pkg",
                            validation="skip")
     assert manifest.generation == {"temperature": 0.0}
+    # a generation_config.json that sets no sampling field states no preference
+    silent = export_pair(checkpoints["llama_target"], checkpoints["llama_noisy"],
+                         tmp_path / "pkg2", validation="skip")
+    assert silent.generation == {}
 
 
 def test_requests_that_set_nothing_sample_with_the_packages_defaults(sampled_package):

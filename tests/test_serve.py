@@ -59,6 +59,7 @@ def test_models_and_health(client):
     {"temperature": 0, "max_tokens": 24},
     {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 7, "max_tokens": 24, "gamma": 6},
     {"temperature": 0, "max_tokens": 40, "stop": ["\n"], "schedule": "heuristic"},
+    {"temperature": 0.8, "max_tokens": 24, "seed": 4, "drafter": "ngram"},
 ])
 def test_a_completion_equals_generate_with_the_same_settings(client, demo, settings):
     out = complete(client, **settings).json()
@@ -124,6 +125,7 @@ BAD_COMPLETIONS = [  # body, status, param, code
     (b'{"model": "demo", "prompt": "x", "top_k": -1}', 400, "top_k", None),
     (b'{"model": "demo", "prompt": "x", "gamma": 65}', 400, "gamma", None),
     (b'{"model": "demo", "prompt": "x", "schedule": "fast"}', 400, "schedule", None),
+    (b'{"model": "demo", "prompt": "x", "drafter": "oracle"}', 400, "drafter", None),
     (b'{"model": "demo", "prompt": "x", "seed": -1}', 400, "seed", None),
     (b'{"model": "demo", "prompt": "x", "stop": 3}', 400, "stop", None),
     (b'{"model": "demo", "prompt": "x", "stop": [""]}', 400, "stop", None),

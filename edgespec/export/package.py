@@ -8,6 +8,7 @@ nothing behind, and ``--overwrite`` replaces only an edgespec package.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import resource
 import time
@@ -46,7 +47,7 @@ VALIDATION_LENGTH = 32  # tokens compared against PyTorch
 
 def export_pair(
     target: str | Path,
-    draft: str | Path,
+    draft: str | Path | None,
     out: str | Path,
     overwrite: bool = False,
     dtype: str = "fp32",
@@ -57,6 +58,9 @@ def export_pair(
     draft_quantize: str | None = "same",
 ) -> Manifest:
     """Export a target/draft pair of Hugging Face causal LMs into the package folder ``out``.
+
+    draft None: a target-only package (no draft graph; the manifest's draft is null), which
+    decodes with n-gram drafting (runtime/drafters.py) or the target alone.
 
     dtype: "fp32" (CPU; weights that are exact fp16 values are stored as fp16, losslessly) or
         "fp16" (compute in fp16, for GPUs).
@@ -90,17 +94,20 @@ def export_pair(
     if draft_quantize and dtype != "fp32":
         raise ExportError("--draft-quantize works on fp32 graphs; drop --dtype fp16")
     variants = {"target": quantize or dtype, "draft": draft_quantize or dtype}
-    report = _Steps(progress or (lambda line: None), total=4)
+    report = _Steps(progress or (lambda line: None), total=4 if draft is not None else 3)
     out = check_destination(out, overwrite)
 
-    with report.step("checking the pair"):
+    with report.step("checking the pair" if draft is not None else "reading the target"):
         target_ckpt = read_checkpoint(Path(target), "target")
-        draft_ckpt = read_checkpoint(Path(draft), "draft")
-        vocab_size = check_pair(target_ckpt, draft_ckpt)
+        draft_ckpt = read_checkpoint(Path(draft), "draft") if draft is not None else None
+        vocab_size = (check_pair(target_ckpt, draft_ckpt) if draft_ckpt
+                      else target_ckpt.vocab_size)
 
     with atomic_folder(out) as tmp:
-        specs = {}
-        for role, ckpt in (("target", target_ckpt), ("draft", draft_ckpt)):
+        specs = {"draft": None}
+        roles = (("target", target_ckpt), ("draft", draft_ckpt)) if draft_ckpt else (
+            ("target", target_ckpt),)
+        for role, ckpt in roles:
             with report.step(f"exporting and validating the {role} ({ckpt.path})"):
                 specs[role] = _export_model(ckpt, tmp, role, variants[role], graph, validation,
                                             report)
@@ -187,7 +194,7 @@ def _figures_line(figures: dict) -> str:
 
 
 def _write_package(
-    tmp: Path, target: Checkpoint, draft: Checkpoint, specs: dict, vocab_size: int,
+    tmp: Path, target: Checkpoint, draft: Checkpoint | None, specs: dict, vocab_size: int,
     generation: dict,
 ) -> Manifest:
     tokenizer = target.tokenizer
@@ -199,7 +206,7 @@ def _write_package(
         target=specs["target"],
         draft=specs["draft"],
         vocab_size=vocab_size,
-        max_positions=min(target.max_positions, draft.max_positions),
+        max_positions=min(target.max_positions, draft.max_positions if draft else math.inf),
         eos_token_ids=target.eos_token_ids,
         bos_token_id=tokenizer.bos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -207,7 +214,8 @@ def _write_package(
         chat_template=None if template is None else CHAT_TEMPLATE_NAME,
         special_tokens=dict(tokenizer.special_tokens_map) if template is not None else {},
         generation=generation,
-        source={"target": str(target.path.resolve()), "draft": str(draft.path.resolve())},
+        source={"target": str(target.path.resolve()),
+                **({"draft": str(draft.path.resolve())} if draft else {})},
         edgespec_version=edgespec.__version__,
     )
     manifest.write(tmp)

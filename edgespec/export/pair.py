@@ -17,6 +17,7 @@ from edgespec.errors import ExportError, IncompatiblePairError
 
 
 # generation_config.json settings edgespec's sampler does not apply (yet): named at export
+SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p"}
 UNSUPPORTED_GENERATION = ("repetition_penalty", "min_p", "typical_p", "no_repeat_ngram_size")
 
 
@@ -49,6 +50,8 @@ class Checkpoint:
         try:
             config = GenerationConfig.from_pretrained(self.path)
         except OSError:  # no generation_config.json: no defaults of its own
+            return {}, []
+        if not SAMPLING_KEYS & set(config.to_diff_dict()):  # transformers' defaults, not a choice
             return {}, []
         ignored = [f"{name} {getattr(config, name)}" for name in UNSUPPORTED_GENERATION
                    if getattr(config, name, None) not in (None, 1.0, 0, 0.0, False)]

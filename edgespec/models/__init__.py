@@ -23,18 +23,10 @@ def describe_pairs() -> list[str]:
     """Lines for ``edgespec models list``: each bundled pair, its size, where it lives."""
     import json
 
-    from edgespec.manifest import REPORT_NAME, Manifest
+    from edgespec.manifest import REPORT_NAME
 
     path = demo_package()
-    manifest = Manifest.read(path)
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    lines = [
-        f"demo  {size / 1e6:.0f} MB  {path}",
-        f"      target {manifest.target.architecture} {manifest.target.layers} layers, "
-        f"{manifest.target.parameters / 1e6:.1f}M parameters; draft {manifest.draft.layers} "
-        f"layers, {manifest.draft.parameters / 1e6:.1f}M; vocabulary {manifest.vocab_size}, "
-        f"context {manifest.max_positions}",
-    ]
+    lines = describe_package("demo", path)
     report_path = path / REPORT_NAME
     if report_path.is_file():
         report = json.loads(report_path.read_text())
@@ -45,3 +37,20 @@ def describe_pairs() -> list[str]:
             f"{report['greedy_agreement']:.0%}"
         )
     return lines
+
+
+def describe_package(name: str, path: Path) -> list[str]:
+    """Two lines for one package: its size and place, then its models (or "target only")."""
+    from edgespec.manifest import Manifest
+
+    manifest = Manifest.read(path)
+    size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    draft = manifest.draft
+    drafting = (f"draft {draft.layers} layers, {draft.parameters / 1e6:.1f}M" if draft
+                else "no draft: target only (decodes with n-gram drafting)")
+    return [
+        f"{name}  {size / 1e6:.0f} MB  {path}",
+        f"      target {manifest.target.architecture} {manifest.target.layers} layers, "
+        f"{manifest.target.parameters / 1e6:.1f}M parameters; {drafting}; vocabulary "
+        f"{manifest.vocab_size}, context {manifest.max_positions}",
+    ]

@@ -15,6 +15,7 @@ from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError, GenerationError, ManifestError
 from edgespec.manifest import Manifest
 from edgespec.runtime import calibration
+from edgespec.runtime.drafters import resolve_drafter
 from edgespec.runtime.schedule import (
     AdaptiveSchedule,
     FixedSchedule,
@@ -33,6 +34,9 @@ _SAMPLING_FIELDS = {f.name for f in fields(SamplingConfig)}
 # The adaptive schedule's largest k: it calibrates a target run on every length up to k + 1,
 # and past 16 drafted tokens a round's expected yield barely grows (0.9^17 = 0.17).
 ADAPTIVE_MAX_K = 16
+# What the adaptive schedule takes an n-gram lookup to cost per proposed token: a few dict
+# lookups and one index update (benchmarks/ngram_cost.py: ~3 us at a context of 4096 tokens).
+NGRAM_STEP_MS = 0.005
 
 
 @dataclass
@@ -82,15 +86,18 @@ class Pipeline:
         self.tokenizer = load_tokenizer(self.path, self.manifest)  # before the slow sessions
         m = self.manifest
         default_target, default_draft = default_session_configs(
-            provider, draft_provider, draft_parameters=m.draft.parameters
+            provider, draft_provider, draft_parameters=m.draft.parameters if m.draft else 0
         )
-        self.session_configs = {"target": target or default_target, "draft": draft or default_draft}
-        self.target, self.draft = (
-            ModelSession(self.path / spec.path, spec, m.vocab_size, m.max_positions, config)
-            for spec, config in ((m.target, self.session_configs["target"]),
-                                 (m.draft, self.session_configs["draft"]))
-        )
-        for warning in {self.target.warning, self.draft.warning} - {None}:
+        configs = {"target": target or default_target, "draft": draft or default_draft}
+        self.session_configs = {role: configs[role] for role in m.models}
+        sessions = {
+            role: ModelSession(self.path / spec.path, spec, m.vocab_size, m.max_positions,
+                               self.session_configs[role])
+            for role, spec in m.models.items()
+        }
+        # draft None: a target-only package (n-gram drafting or the target alone)
+        self.target, self.draft = sessions["target"], sessions.get("draft")
+        for warning in {s.warning for s in sessions.values()} - {None}:
             warnings.warn(warning, stacklevel=2)
         # the package's sampling defaults (its target's generation_config.json), for requests
         # that set none; without them greedy, GenerationConfig's default
@@ -124,15 +131,17 @@ class Pipeline:
                 f"the prompt has {len(prompt_ids)} tokens but the context window is {limit}; "
                 "shorten the prompt"
             )
+        drafter = resolve_drafter(config, has_draft=self.draft is not None)
         threads = {role: c.threads for role, c in self.session_configs.items()}
-        stats = GenerationStats(speculative=config.use_draft, threads=threads)
+        stats = GenerationStats(speculative=drafter != "none", threads=threads, drafter=drafter)
         generated: list[int] = []
 
         def pieces() -> Iterator[str]:
             detok, stops = IncrementalDecoder(self.tokenizer), StopMatcher(config.stop)
             eos = set() if config.ignore_eos else set(self.manifest.eos_token_ids)
-            schedule = self._schedule(config, stats)  # the adaptive one may measure costs first
-            rounds = decode(self.target, self.draft, prompt_ids, config, schedule, limit, eos, stats)
+            schedule = self._schedule(config, drafter, stats)  # adaptive may measure costs first
+            rounds = decode(self.target, self.draft, prompt_ids, replace(config, drafter=drafter),
+                            schedule, limit, eos, stats)
             for new in rounds:
                 generated.extend(new)
                 text, stopped = stops.feed(detok.add(new))
@@ -149,7 +158,10 @@ class Pipeline:
 
         return TextStream(pieces(), lambda text: GenerationResult(text, generated, stats))
 
-    def _schedule(self, config: GenerationConfig, stats: GenerationStats) -> Schedule:
+    def _schedule(self, config: GenerationConfig, drafter: str,
+                  stats: GenerationStats) -> Schedule:
+        if drafter == "none":
+            return FixedSchedule(0)
         if config.schedule == "heuristic":
             return HeuristicSchedule(config.gamma)
         if config.schedule == "adaptive":
@@ -159,6 +171,8 @@ class Pipeline:
             # this request paid for the costs only on their first use in this process
             stats.calibration = self.calibration[kmax] if first_use else "reused"
             stats.calibration_s = self.calibration_s[kmax] if first_use else 0.0
+            if drafter == "ngram":  # a lookup costs microseconds, not a draft model's run
+                costs = replace(costs, draft_step_ms=NGRAM_STEP_MS)
             return AdaptiveSchedule(costs, sampled=not config.sampling.greedy)
         return FixedSchedule(config.gamma)
 
@@ -167,7 +181,8 @@ class Pipeline:
         (calibration.py), else measured and stored there; kept for this process either way.
 
         Measured at a context of a quarter of the window (at most 128 tokens), where typical
-        prompts sit; ``calibration_s`` records what finding each cost, ``calibration`` how.
+        prompts sit; ``calibration_s`` records what finding each cost, ``calibration`` how. A
+        target-only package has no draft step to time (its cost is then 0).
         """
         if kmax not in self._costs:
             context = min(128, self.manifest.max_positions // 4)
@@ -185,11 +200,14 @@ class Pipeline:
 
     def _calibration_key(self, kmax: int, context: int) -> str:
         """The package, the sessions as configured and as started (the provider "auto" chose)."""
-        sessions = {role: {**asdict(config), "providers": session.providers}
-                    for (role, config), session in zip(self.session_configs.items(),
-                                                       (self.target, self.draft))}
-        models = [self.manifest.target.path, self.manifest.draft.path]
-        return calibration.cache_key(self.path, models, sessions, kmax, context)
+        models = [spec.path for spec in self.manifest.models.values()]
+        return calibration.cache_key(self.path, models, self.describe_sessions(), kmax, context)
+
+    def describe_sessions(self) -> dict:
+        """Each model's session settings and the providers it runs on (for results files)."""
+        sessions = {"target": self.target, "draft": self.draft}
+        return {role: {**asdict(config), "providers": sessions[role].providers}
+                for role, config in self.session_configs.items()}
 
     def generate(
         self, prompt: str | Sequence[int], config: GenerationConfig | None = None, **settings
@@ -197,9 +215,10 @@ class Pipeline:
         """Generate a continuation of ``prompt``.
 
         ``config`` gives every setting at once; keyword settings override its fields:
-        max_new_tokens, gamma, schedule, use_draft, seed, stop, temperature, top_k, top_p.
-        Without ``config``, sampling starts from the package's defaults (``default_sampling``:
-        its target's generation_config.json, else greedy) and keyword settings override them.
+        max_new_tokens, gamma, schedule, use_draft, drafter, ngram_min, ngram_max, seed, stop,
+        ignore_eos, temperature, top_k, top_p. Without ``config``, sampling starts from the
+        package's defaults (``default_sampling``: its target's generation_config.json, else
+        greedy) and keyword settings override them.
         """
         stream = self.stream(prompt, config, **settings)
         for _ in stream:

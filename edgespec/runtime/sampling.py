@@ -337,8 +337,16 @@ def _search(cdf: np.ndarray, target: float) -> int:
 
 
 def residual(p: Dist, q: Dist) -> Dist:
-    """norm(max(0, p - q)) on p's support; p itself if that has no mass (p == q to rounding)."""
-    r = np.maximum(p.probs_at(p.ids) - q.probs_at(p.ids), 0.0)  # float64, [m] or [V]
+    """norm(max(0, p - q)) on p's support; p itself if that has no mass (p == q to rounding).
+
+    A sparse q under a whole-vocabulary p (an n-gram's point mass at T > 0 without top-k or
+    top-p) is subtracted on its own support: p without x, for a point mass on x.
+    """
+    if p.ids is None and q.ids is not None:
+        r = p.probs_at(None)  # float64 [V], a new array
+        r[q.ids] = np.maximum(r[q.ids] - q.probs_at(q.ids), 0.0)
+    else:
+        r = np.maximum(p.probs_at(p.ids) - q.probs_at(p.ids), 0.0)  # float64, [m] or [V]
     total = float(r.sum())
     return Dist(p.ids, r, total) if total > 0.0 else p
 

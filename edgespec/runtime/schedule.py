@@ -142,7 +142,7 @@ class AdaptiveSchedule:
 
 def calibrate(
     target: ModelSession,
-    draft: ModelSession,
+    draft: ModelSession | None,
     context: int,
     kmax: int,
     budget_s: float = 1.0,
@@ -171,5 +171,5 @@ def calibrate(
             medians.append(1e3 * statistics.median(times))
         return medians[1:]
 
-    (draft_ms,) = timed(draft, range(1, 2))
+    (draft_ms,) = timed(draft, range(1, 2)) if draft is not None else (0.0,)  # target only
     return StepCosts(draft_ms, tuple(timed(target, range(1, kmax + 2))))

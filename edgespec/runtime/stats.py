@@ -16,6 +16,7 @@ class GenerationStats:
     """
 
     speculative: bool
+    drafter: str = ""  # "model", "ngram" or "none" (runtime/drafters.py)
     prompt_tokens: int = 0
     new_tokens: int = 0
     rounds: int = 0
@@ -58,6 +59,7 @@ class GenerationStats:
             total.accepted_at = _added(total.accepted_at, run.accepted_at)
             total.drafted_at = _added(total.drafted_at, run.drafted_at)
         total.threads = runs[0].threads if runs else {}
+        total.drafter = "/".join(sorted({r.drafter for r in runs}))
         reasons = {r.finish_reason for r in runs}
         total.finish_reason = reasons.pop() if len(reasons) == 1 else "mixed" if reasons else ""
         return total
@@ -133,6 +135,7 @@ class GenerationStats:
         if self.speculative:
             line += (
                 f", acceptance {self.acceptance_rate:.0%} of {self.drafted} drafted"
+                f"{f' by {self.drafter}' if self.drafter else ''}"
                 f", {self.tokens_per_target_call:.2f} tokens/target call"
             )
         if self.calibration == "measured":

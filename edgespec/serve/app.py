@@ -248,7 +248,7 @@ def _submit(server: Server, body: Settings, prompt_ids: list[int], max_tokens: i
         stream = server.pipe.stream(
             prompt_ids, max_new_tokens=max_tokens, **_sampling(server, body),
             gamma=body.gamma, schedule=body.schedule,
-            use_draft=body.use_draft, seed=body.seed, stop=stop, ignore_eos=body.ignore_eos)
+            use_draft=body.use_draft, drafter=body.drafter, seed=body.seed, stop=stop, ignore_eos=body.ignore_eos)
     except EdgespecError as e:  # ConfigError names the setting first: "top_k must be ..."
         field = str(e).split(" ", 1)[0]
         raise ApiError(400, str(e), "max_tokens" if field == "max_new_tokens" else

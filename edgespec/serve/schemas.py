@@ -2,7 +2,7 @@
 by the schema, with the field's name, before anything else looks at it.
 
 Fields as OpenAI defines them (its API reference, "Completions" and "Chat"), then edgespec's
-own: top_k, gamma, schedule, use_draft, ignore_eos. Unknown fields are ignored, as OpenAI's
+own: top_k, gamma, schedule, drafter, use_draft, ignore_eos. Unknown fields are ignored, as OpenAI's
 clients send some that change nothing here; those that would change the output and that
 edgespec cannot honour (penalties, logprobs, several choices) are refused by ``unsupported``.
 """
@@ -13,7 +13,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from edgespec.config import MAX_GAMMA, SCHEDULES
+from edgespec.config import DRAFTERS, MAX_GAMMA, SCHEDULES
 
 
 class _Body(BaseModel):
@@ -50,6 +50,7 @@ class Settings(_Body):
     gamma: int = Field(4, ge=1, le=MAX_GAMMA)
     schedule: Literal[SCHEDULES] = "fixed"  # type: ignore[valid-type]
     use_draft: bool = True
+    drafter: Literal[DRAFTERS] = "auto"  # type: ignore[valid-type]
     ignore_eos: bool = False
 
     def unsupported(self) -> tuple[str, str] | None:
