@@ -402,7 +402,7 @@ def sampling_costs(pipe, tokens: int, gamma: int, settings: dict) -> dict:
     """The loop's NumPy time (GenerationStats.sampling_s): per round drafting ``gamma``, and
     per token of target-only decoding; so it measures whatever sampler the loop uses."""
     common = dict(max_new_tokens=tokens, ignore_eos=True, seed=0, **settings)
-    spec = pipe.generate(PROMPT, gamma=gamma, **common).stats
+    spec = pipe.generate(PROMPT, gamma=gamma, schedule="fixed", **common).stats
     base = pipe.generate(PROMPT, use_draft=False, **common).stats
     return {
         "per_round_ms": 1e3 * spec.sampling_s / spec.rounds,

@@ -85,8 +85,11 @@ class GenerationConfig:
 
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    gamma: int = 4
-    schedule: str = "fixed"
+    # Defaults from `edgespec bench` on the demo pair (benchmarks/RESULTS.md): adaptive with k up
+    # to 8 is within 2% of the best fixed k (8) at T = 0 / 0.7 / 1, and unlike a fixed k it turns
+    # drafting down or off where a draft step is dear (real pairs on a CPU: half a target step)
+    gamma: int = 8
+    schedule: str = "adaptive"
     use_draft: bool = True
     seed: int | None = None
     stop: tuple[str, ...] = ()

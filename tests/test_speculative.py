@@ -34,7 +34,7 @@ def test_greedy_speculative_equals_target_only(pipes, pair):
     for prompt in PROMPTS:
         baseline = pipe.generate(prompt, max_new_tokens=48, use_draft=False)
         for gamma in range(1, 7):
-            result = pipe.generate(prompt, max_new_tokens=48, gamma=gamma)
+            result = pipe.generate(prompt, max_new_tokens=48, gamma=gamma, schedule="fixed")
             assert result.token_ids == baseline.token_ids, (prompt, gamma)
             assert result.text == baseline.text
 
@@ -52,7 +52,8 @@ def test_greedy_identity_holds_whatever_the_schedule(pipes, pair, schedule):
 
 def test_greedy_identity_exercises_both_accept_and_reject(pipes):
     """The noisy draft agrees only sometimes, so the identity above covered partial rounds."""
-    stats = [pipes["llama_noisy"].generate(p, max_new_tokens=48, gamma=4).stats for p in PROMPTS]
+    stats = [pipes["llama_noisy"].generate(p, max_new_tokens=48, gamma=4, schedule="fixed").stats
+             for p in PROMPTS]
     rate = sum(s.accepted for s in stats) / sum(s.drafted for s in stats)
     assert 0.1 < rate < 0.95
     assert any(0 < s.accepted < s.drafted for s in stats)
@@ -61,7 +62,8 @@ def test_greedy_identity_exercises_both_accept_and_reject(pipes):
 @pytest.mark.parametrize("gamma", [1, 3, 6])
 def test_draft_equal_to_target_accepts_everything_at_temperature_zero(pipes, gamma):
     for prompt in PROMPTS:
-        stats = pipes["llama_self"].generate(prompt, max_new_tokens=40, gamma=gamma).stats
+        stats = pipes["llama_self"].generate(prompt, max_new_tokens=40, gamma=gamma,
+                                             schedule="fixed").stats
         assert stats.accepted == stats.drafted
         assert stats.per_position_acceptance == [1.0] * len(stats.per_position_acceptance)
         if stats.finish_reason == "max_new_tokens":
@@ -76,7 +78,7 @@ def test_a_wrong_acceptance_rule_breaks_greedy_identity(pipes, monkeypatch):
     )
     pipe = pipes["llama"]
     differs = [
-        pipe.generate(p, max_new_tokens=24, gamma=3).token_ids
+        pipe.generate(p, max_new_tokens=24, gamma=3, schedule="fixed").token_ids
         != pipe.generate(p, max_new_tokens=24, use_draft=False).token_ids
         for p in PROMPTS
     ]
@@ -94,7 +96,8 @@ SAMPLED = {"T=1": dict(temperature=1.0), "top-p": dict(temperature=0.7, top_p=0.
 
 def texts_by_schedule(pipe, prompt: str, **settings) -> dict[str, list[int]]:
     """Token ids of one generation per draft-length choice, same seed."""
-    runs = {f"k={k}": pipe.generate(prompt, gamma=k, **settings) for k in (1, 2, 4, 8)}
+    runs = {f"k={k}": pipe.generate(prompt, gamma=k, schedule="fixed", **settings)
+            for k in (1, 2, 4, 8)}
     runs["heuristic"] = pipe.generate(prompt, gamma=4, schedule="heuristic", **settings)
     # on these tiny models adaptive mostly picks k = 0: target steps inside a speculative run
     runs["adaptive"] = pipe.generate(prompt, gamma=8, schedule="adaptive", **settings)
@@ -216,7 +219,8 @@ def test_the_distribution_check_rejects_a_wrong_loop(words, monkeypatch):
 
 def test_stops_at_max_new_tokens_and_counts_tokens(pipes):
     for gamma, n in itertools.product([1, 4], [1, 2, 7]):
-        result = pipes["llama_self"].generate("The quick brown", max_new_tokens=n, gamma=gamma)
+        result = pipes["llama_self"].generate("The quick brown", max_new_tokens=n, gamma=gamma,
+                                              schedule="fixed")
         assert len(result.token_ids) <= n
         if result.stats.finish_reason == "max_new_tokens":
             assert len(result.token_ids) == n
@@ -229,7 +233,7 @@ def test_stops_at_the_context_limit(pipes):
     prompt_ids = pipe.encode("x " * 200)[: limit - 5]
     prompt = pipe.tokenizer.decode(prompt_ids)
     assert len(pipe.encode(prompt)) == limit - 5
-    result = pipe.generate(prompt, max_new_tokens=50, gamma=4)
+    result = pipe.generate(prompt, max_new_tokens=50, gamma=4, schedule="fixed")
     assert len(result.token_ids) <= 5
     if not result.stats.finish_reason == "eos":
         assert result.stats.finish_reason == "context_limit"
@@ -246,7 +250,8 @@ def test_the_window_ends_on_the_same_token_with_or_without_the_draft(pipes, pair
         baseline = pipe.generate(prompt, max_new_tokens=50, use_draft=False, ignore_eos=True)
         assert len(baseline.token_ids) == left
         for gamma in (1, 3, 5):
-            result = pipe.generate(prompt, max_new_tokens=50, gamma=gamma, ignore_eos=True)
+            result = pipe.generate(prompt, max_new_tokens=50, gamma=gamma, ignore_eos=True,
+                                   schedule="fixed")
             assert result.token_ids == baseline.token_ids, (left, gamma)
             assert result.stats.finish_reason == "context_limit"
 

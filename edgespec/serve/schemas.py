@@ -13,7 +13,9 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from edgespec.config import DRAFTERS, MAX_GAMMA, SCHEDULES
+from edgespec.config import DRAFTERS, MAX_GAMMA, SCHEDULES, GenerationConfig
+
+_DEFAULTS = GenerationConfig()
 
 
 class _Body(BaseModel):
@@ -47,8 +49,8 @@ class Settings(_Body):
     logprobs: bool | int | None = None
     # edgespec's own
     top_k: int | None = Field(None, ge=0)  # omitted: the package's default, else 0 (all)
-    gamma: int = Field(4, ge=1, le=MAX_GAMMA)
-    schedule: Literal[SCHEDULES] = "fixed"  # type: ignore[valid-type]
+    gamma: int = Field(_DEFAULTS.gamma, ge=1, le=MAX_GAMMA)
+    schedule: Literal[SCHEDULES] = _DEFAULTS.schedule  # type: ignore[valid-type]
     use_draft: bool = True
     drafter: Literal[DRAFTERS] = "auto"  # type: ignore[valid-type]
     ignore_eos: bool = False
