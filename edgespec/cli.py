@@ -275,6 +275,9 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
     )
     pipe = load(package, provider=provider, draft_provider=draft_provider)
     config = replace(config, sampling=replace(pipe.default_sampling, **given))
+    if config.sampling.greedy and (top_k is not None or top_p is not None):
+        click.echo("warning: --top-k and --top-p do nothing at temperature 0 (greedy); "
+                   "give --temperature to sample", err=True)
     stream = pipe.stream(prompt, config)
     if as_json:
         text = "".join(stream)

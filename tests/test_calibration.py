@@ -17,10 +17,10 @@ COSTS = StepCosts(0.25, (2.5, 2.9, 3.1))
 
 
 def test_costs_round_trip_under_their_key(tmp_path):
-    assert calibration.load_costs("k", tmp_path) is None
+    assert calibration.load_costs("k", 2, tmp_path) is None
     assert calibration.store_costs("k", COSTS, tmp_path)
-    assert calibration.load_costs("k", tmp_path) == COSTS
-    assert calibration.load_costs("other", tmp_path) is None
+    assert calibration.load_costs("k", 2, tmp_path) == COSTS
+    assert calibration.load_costs("other", 2, tmp_path) is None
     assert [p.name for p in tmp_path.iterdir()] == [calibration.FILE_NAME]  # no temp file left
 
 
@@ -28,16 +28,16 @@ def test_costs_round_trip_under_their_key(tmp_path):
                                      '{"format": 1, "entries": {"k": {"draft_step_ms": "x"}}}'])
 def test_an_unreadable_or_foreign_file_is_ignored_then_replaced(tmp_path, content):
     (tmp_path / calibration.FILE_NAME).write_text(content)
-    assert calibration.load_costs("k", tmp_path) is None
+    assert calibration.load_costs("k", 2, tmp_path) is None
     assert calibration.store_costs("k", COSTS, tmp_path)
-    assert calibration.load_costs("k", tmp_path) == COSTS
+    assert calibration.load_costs("k", 2, tmp_path) == COSTS
 
 
 def test_a_folder_that_cannot_be_written_leaves_the_costs_unstored(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert not calibration.store_costs("k", COSTS, blocker / "cache")  # a file in the way
-    assert calibration.load_costs("k", blocker / "cache") is None
+    assert calibration.load_costs("k", 2, blocker / "cache") is None
 
 
 def test_the_store_keeps_only_the_newest_entries(tmp_path):
@@ -55,12 +55,48 @@ def test_the_key_follows_the_package_settings_and_kmax(tmp_path):
     for role in ("target", "draft"):
         (package / role / "model.onnx").write_bytes(b"graph")
     models = ["target/model.onnx", "draft/model.onnx"]
-    key = calibration.cache_key(package, models, {"threads": 2}, 8, 128)
-    assert key == calibration.cache_key(package, models, {"threads": 2}, 8, 128)
-    assert key != calibration.cache_key(package, models, {"threads": 1}, 8, 128)
-    assert key != calibration.cache_key(package, models, {"threads": 2}, 4, 128)
+    stamp = calibration.package_stamp(package, models)
+    key = calibration.cache_key(stamp, {"threads": 2}, 8, 128)
+    assert key == calibration.cache_key(stamp, {"threads": 2}, 8, 128)
+    assert key != calibration.cache_key(stamp, {"threads": 1}, 8, 128)
+    assert key != calibration.cache_key(stamp, {"threads": 2}, 4, 128)
     os.utime(package / "draft" / "model.onnx", ns=(1, 1))  # a re-exported draft
-    assert key != calibration.cache_key(package, models, {"threads": 2}, 8, 128)
+    assert calibration.package_stamp(package, models) != stamp
+
+
+@pytest.mark.parametrize("entry", [
+    {"draft_step_ms": 0.2, "target_ms": []},  # no target runs
+    {"draft_step_ms": 0.2, "target_ms": [2.5, 2.9]},  # another kmax
+    {"draft_step_ms": float("nan"), "target_ms": [2.5, 2.9, 3.1]},
+    {"draft_step_ms": -1, "target_ms": [2.5, 2.9, 3.1]},
+    {"draft_step_ms": 0.2, "target_ms": ["2.5", None, 3.1]},
+])
+def test_entries_that_are_not_costs_for_this_kmax_are_ignored(tmp_path, entry):
+    (tmp_path / calibration.FILE_NAME).write_text(json.dumps(
+        {"format": calibration.FORMAT, "entries": {"k": entry, "old": {"measured_at": "x"}}}))
+    assert calibration.load_costs("k", 2, tmp_path) is None
+    assert calibration.store_costs("k", COSTS, tmp_path)  # a foreign entry's date is no crash
+    assert calibration.load_costs("k", 2, tmp_path) == COSTS
+
+
+def test_without_a_home_folder_costs_are_measured_not_stored(monkeypatch):
+    for name in ("EDGESPEC_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert calibration.cache_folder() is None
+    assert calibration.load_costs("k", 2) is None and not calibration.store_costs("k", COSTS)
+    stats = edgespec.load(demo_package()).generate("x = 1", max_new_tokens=4).stats
+    assert stats.calibration == "measured"
+
+
+def test_the_stored_file_is_readable_as_the_users_files_are(tmp_path):
+    calibration.store_costs("k", COSTS, tmp_path)
+    mode = (tmp_path / calibration.FILE_NAME).stat().st_mode & 0o777
+    assert mode == 0o666 & ~calibration._umask()
 
 
 def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):

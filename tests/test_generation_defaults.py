@@ -46,10 +46,14 @@ def test_the_checkpoints_sampling_settings_travel_into_the_manifest(sampled_pack
 
 
 def test_greedy_checkpoints_default_to_greedy_and_silent_ones_to_nothing(checkpoints, tmp_path):
-    target = with_generation_config(checkpoints, tmp_path, do_sample=False, temperature=0.6)
+    # do_sample false and temperature 1 are transformers' defaults: written, they are a choice
+    target = with_generation_config(checkpoints, tmp_path, do_sample=False, temperature=1.0,
+                                    repetition_penalty=1.3)
+    lines = []
     manifest = export_pair(target, checkpoints["llama_noisy"], tmp_path / "pkg",
-                           validation="skip")
+                           validation="skip", progress=lines.append)
     assert manifest.generation == {"temperature": 0.0}
+    assert any("not applied: repetition_penalty 1.3" in line for line in lines)
     # a generation_config.json that sets no sampling field states no preference
     silent = export_pair(checkpoints["llama_target"], checkpoints["llama_noisy"],
                          tmp_path / "pkg2", validation="skip")

@@ -126,6 +126,8 @@ BAD_COMPLETIONS = [  # body, status, param, code
     (b'{"model": "demo", "prompt": "x", "gamma": 65}', 400, "gamma", None),
     (b'{"model": "demo", "prompt": "x", "schedule": "fast"}', 400, "schedule", None),
     (b'{"model": "demo", "prompt": "x", "drafter": "oracle"}', 400, "drafter", None),
+    (b'{"model": "demo", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', 400, "stop", None),
+    (b'{"model": "demo", "prompt": "x", "stop": "' + b"s" * 300 + b'"}', 400, "stop", None),
     (b'{"model": "demo", "prompt": "x", "seed": -1}', 400, "seed", None),
     (b'{"model": "demo", "prompt": "x", "stop": 3}', 400, "stop", None),
     (b'{"model": "demo", "prompt": "x", "stop": [""]}', 400, "stop", None),
@@ -254,6 +256,14 @@ def test_chat_streams_deltas_and_refuses_what_its_template_refuses(chat_package)
         refused = client.post("/v1/chat/completions", json={
             "model": "chat", "messages": [{"role": "tool", "content": "x"}]})
         assert refused.status_code == 400 and "Unknown role: tool" in refused.text
+        for field, value in (("response_format", {"type": "json_object"}),
+                             ("tool_choice", "auto")):  # would change the output: refused
+            refused = client.post("/v1/chat/completions", json={**body, field: value})
+            assert refused.status_code == 400, field
+            assert refused.json()["error"]["code"] == "unsupported_parameter"
+        plain = client.post("/v1/chat/completions",
+                            json={**body, "response_format": {"type": "text"}})
+        assert plain.json()["choices"][0]["message"] == whole["choices"][0]["message"]
         for messages, param in (([], "messages"), ([{"role": "bob", "content": "x"}],
                                                    "messages[0].role"),
                                 ([{"role": "user", "content": 1}], "messages[0].content")):
@@ -263,17 +273,24 @@ def test_chat_streams_deltas_and_refuses_what_its_template_refuses(chat_package)
 
 
 class Gate:
-    """A TextStream stand-in that yields one piece per release: a generation held open."""
+    """A TextStream stand-in that runs one round per release: a generation held open. Its
+    rounds yield "x", or nothing with ``silent`` (special tokens, held-back text); like
+    TextStream it ends at the round after ``cancel()``."""
 
-    def __init__(self):
-        self.release, self.rounds = threading.Semaphore(0), 0
+    def __init__(self, silent: bool = False):
+        self.release, self.rounds, self.silent = threading.Semaphore(0), 0, silent
+        self.cancelled = threading.Event()
         self.result = None
 
+    def cancel(self):
+        self.cancelled.set()
+
     def __iter__(self):
-        while True:
+        while not self.cancelled.is_set():
             self.release.acquire()
             self.rounds += 1
-            yield "x"
+            if not self.silent:
+                yield "x"
 
 
 def test_the_queue_admits_one_running_plus_queue_then_refuses():
@@ -310,6 +327,47 @@ def test_a_cancelled_job_stops_at_its_next_round():
 
     rounds, counts = asyncio.run(scenario())
     assert rounds <= 2 and counts["cancelled"] == 1  # at most the round already under way
+
+
+def test_a_job_whose_rounds_make_no_text_is_still_cancelled_and_closed():
+    """A client gone, or the server stopping, ends a generation whose rounds print nothing
+    (e.g. special tokens after an ignored EOS) at its next round, not at the context's end."""
+    async def scenario():
+        worker, gate = Worker(queue=0), Gate(silent=True)
+        job = worker.submit(gate)
+        gate.release.release()
+        while gate.rounds == 0:
+            await asyncio.sleep(0.01)
+        job.cancel()
+        for _ in range(5):
+            gate.release.release()
+        worker.close()
+        closing = Gate(silent=True)  # and close() alone ends a running silent generation
+        second = Worker(queue=0)
+        second.submit(closing)
+        closing.release.release()
+        while closing.rounds == 0:
+            await asyncio.sleep(0.01)
+        for _ in range(5):
+            closing.release.release()
+        second.close()
+        return gate.rounds, closing.rounds, worker.counts(), second.counts()
+
+    rounds, closed_rounds, counts, second = asyncio.run(scenario())
+    assert rounds <= 2 and counts["cancelled"] == 1
+    assert closed_rounds <= 2 and second["cancelled"] == 1
+
+
+def test_a_cancelled_stream_ends_at_its_next_round(demo):
+    stream = demo.stream(PROMPT, max_new_tokens=200, ignore_eos=True, temperature=0)
+    stream.cancel()
+    assert list(stream) == [] and stream.result.stats.finish_reason == "cancelled"
+    assert stream.result.stats.new_tokens == 0
+    stream = demo.stream(PROMPT, max_new_tokens=200, ignore_eos=True, temperature=0)
+    for _ in stream:
+        stream.cancel()
+    assert stream.result.stats.finish_reason == "cancelled"
+    assert 0 < stream.result.stats.new_tokens < 200
 
 
 def test_a_full_queue_is_a_429_with_retry_after(demo):
@@ -349,7 +407,9 @@ def test_a_dropped_generation_ends_early_and_the_next_is_served(demo):
         return stream, ended, after
 
     stream, ended, after = asyncio.run(scenario())
-    assert stream.result is None and ended < 1.0  # it never ran to its 450 tokens
+    result = stream.result  # it never ran to its 450 tokens
+    assert result.stats.finish_reason == "cancelled" and result.stats.new_tokens < 450
+    assert ended < 1.0
     assert after.stats.new_tokens <= 4
 
 

@@ -49,12 +49,13 @@ class Checkpoint:
         """
         try:
             config = GenerationConfig.from_pretrained(self.path)
-        except OSError:  # no generation_config.json: no defaults of its own
-            return {}, []
-        if not SAMPLING_KEYS & set(config.to_diff_dict()):  # transformers' defaults, not a choice
+            written = set(json.loads((self.path / "generation_config.json").read_text()))
+        except (OSError, ValueError):  # none (or unreadable): no defaults of its own
             return {}, []
         ignored = [f"{name} {getattr(config, name)}" for name in UNSUPPORTED_GENERATION
                    if getattr(config, name, None) not in (None, 1.0, 0, 0.0, False)]
+        if not SAMPLING_KEYS & written:  # transformers' defaults, not the author's choice
+            return {}, ignored
         if not config.do_sample:
             return {"temperature": 0.0}, ignored
         temperature = config.temperature if config.temperature is not None else 1.0

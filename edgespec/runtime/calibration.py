@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 import time
@@ -28,11 +29,17 @@ FORMAT = 1
 MAX_ENTRIES = 64  # oldest dropped first: one entry per package x settings, a few KB in all
 
 
-def cache_folder() -> Path:
+def cache_folder() -> Path | None:
+    """Where the store lives; None where no folder can be named (no HOME, and a user id
+    without a passwd entry, as in some containers): costs are then measured, not stored."""
     if folder := os.environ.get("EDGESPEC_CACHE_DIR"):
         return Path(folder)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "edgespec"
+    if base := os.environ.get("XDG_CACHE_HOME"):
+        return Path(base) / "edgespec"
+    try:
+        return Path.home() / ".cache" / "edgespec"
+    except (RuntimeError, KeyError):
+        return None
 
 
 def package_stamp(package: Path, model_paths: list[str]) -> str:
@@ -47,11 +54,14 @@ def package_stamp(package: Path, model_paths: list[str]) -> str:
     return digest.hexdigest()[:32]
 
 
-def cache_key(package: Path, model_paths: list[str], settings: dict, kmax: int,
-              context: int) -> str:
-    """One entry per package, machine, onnxruntime build, session settings and kmax."""
+def cache_key(package_stamp: str, settings: dict, kmax: int, context: int) -> str:
+    """One entry per package (``package_stamp``), machine, onnxruntime build, edgespec version
+    (how costs are measured), session settings and kmax."""
+    from edgespec import __version__
+
     parts = {
-        "package": package_stamp(package, model_paths),
+        "package": package_stamp,
+        "edgespec": __version__,
         "cpu": cpu_model(),
         "cores": usable_cores(),
         "onnxruntime": onnxruntime_build(),
@@ -62,28 +72,38 @@ def cache_key(package: Path, model_paths: list[str], settings: dict, kmax: int,
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def load_costs(key: str, folder: Path | None = None) -> StepCosts | None:
-    """The costs stored under ``key``, or None (none stored, or a file that cannot be read)."""
-    entry = _read(folder or cache_folder()).get(key)
+def load_costs(key: str, kmax: int, folder: Path | None = None) -> StepCosts | None:
+    """The costs stored under ``key``: a draft step and target runs on 1..kmax+1 tokens, each
+    a positive number of ms; None if there are none, or the entry is not that."""
+    folder = folder or cache_folder()
+    entry = _read(folder).get(key) if folder else None
     try:
-        return StepCosts(float(entry["draft_step_ms"]), tuple(float(t) for t in entry["target_ms"]))
+        draft_ms = float(entry["draft_step_ms"])
+        target_ms = tuple(float(t) for t in entry["target_ms"])
     except (TypeError, KeyError, ValueError):
         return None
+    times = (draft_ms, *target_ms)
+    if len(target_ms) != kmax + 1 or not all(0 <= t < math.inf for t in times) or not any(times):
+        return None
+    return StepCosts(draft_ms, target_ms)
 
 
 def store_costs(key: str, costs: StepCosts, folder: Path | None = None) -> bool:
     """Add ``costs`` under ``key``; False if the folder cannot be written (nothing changes)."""
     folder = folder or cache_folder()
+    if folder is None:
+        return False
     entries = _read(folder)
     entries[key] = {"draft_step_ms": costs.draft_step_ms, "target_ms": list(costs.target_ms),
                     "measured_at": time.time()}
-    newest = sorted(entries.items(), key=lambda kv: kv[1].get("measured_at", 0))[-MAX_ENTRIES:]
+    newest = sorted(entries.items(), key=_age)[-MAX_ENTRIES:]
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".calibration-", suffix=".tmp")
     except OSError:
         return False
     try:  # written whole, then renamed over the old file: a reader never sees half of it
+        os.fchmod(fd, 0o666 & ~_umask())  # as any file the user makes (mkstemp gives 0600)
         with os.fdopen(fd, "w") as f:
             json.dump({"format": FORMAT, "entries": dict(newest)}, f)
         os.replace(tmp, folder / FILE_NAME)
@@ -91,6 +111,17 @@ def store_costs(key: str, costs: StepCosts, folder: Path | None = None) -> bool:
         Path(tmp).unlink(missing_ok=True)
         return False
     return True
+
+
+def _age(item: tuple[str, dict]) -> float:
+    when = item[1].get("measured_at")
+    return when if isinstance(when, (int, float)) else 0.0
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _read(folder: Path) -> dict:

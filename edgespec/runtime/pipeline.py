@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -49,12 +50,21 @@ class GenerationResult:
 
 
 class TextStream:
-    """Iterate for text pieces as they are decoded; ``result`` is set when the stream ends."""
+    """Iterate for text pieces as they are decoded; ``result`` is set when the stream ends.
 
-    def __init__(self, pieces: Iterator[str], finish: Callable[[str], GenerationResult]):
+    ``cancel()``, from any thread, ends the generation at its next round (or before its first),
+    whether or not that round produced text: ``stats.finish_reason`` is then "cancelled".
+    """
+
+    def __init__(self, pieces: Iterator[str], finish: Callable[[str], GenerationResult],
+                 cancelled: threading.Event | None = None):
         self._pieces = pieces
         self._finish = finish
+        self._cancelled = cancelled or threading.Event()
         self.result: GenerationResult | None = None
+
+    def cancel(self) -> None:
+        self._cancelled.set()
 
     def __iter__(self) -> Iterator[str]:
         text = []
@@ -102,6 +112,9 @@ class Pipeline:
         # the package's sampling defaults (its target's generation_config.json), for requests
         # that set none; without them greedy, GenerationConfig's default
         self.default_sampling = SamplingConfig(**m.generation)
+        # the files the sessions were loaded from (a re-export later must not take their costs)
+        self._package_stamp = calibration.package_stamp(
+            self.path, [spec.path for spec in m.models.values()])
         self._costs: dict[int, StepCosts] = {}
         self.calibration_s: dict[int, float] = {}  # per kmax: seconds spent finding the costs
         self.calibration: dict[int, str] = {}  # per kmax: "measured" or "stored" (read back)
@@ -136,13 +149,21 @@ class Pipeline:
         stats = GenerationStats(speculative=drafter != "none", threads=threads, drafter=drafter)
         generated: list[int] = []
 
+        cancelled = threading.Event()
+
         def pieces() -> Iterator[str]:
+            if cancelled.is_set():  # before the prefill and any measuring of costs
+                stats.finish_reason = "cancelled"
+                return
             detok, stops = IncrementalDecoder(self.tokenizer), StopMatcher(config.stop)
             eos = set() if config.ignore_eos else set(self.manifest.eos_token_ids)
             schedule = self._schedule(config, drafter, stats)  # adaptive may measure costs first
             rounds = decode(self.target, self.draft, prompt_ids, replace(config, drafter=drafter),
                             schedule, limit, eos, stats)
             for new in rounds:
+                if cancelled.is_set():  # checked every round, whether or not it made text
+                    stats.finish_reason = "cancelled"
+                    return
                 generated.extend(new)
                 text, stopped = stops.feed(detok.add(new))
                 if text:
@@ -156,7 +177,8 @@ class Pipeline:
             if tail := text + stops.flush():
                 yield tail
 
-        return TextStream(pieces(), lambda text: GenerationResult(text, generated, stats))
+        return TextStream(pieces(), lambda text: GenerationResult(text, generated, stats),
+                          cancelled)
 
     def _schedule(self, config: GenerationConfig, drafter: str,
                   stats: GenerationStats) -> Schedule:
@@ -187,8 +209,9 @@ class Pipeline:
         if kmax not in self._costs:
             context = min(128, self.manifest.max_positions // 4)
             start = time.perf_counter()
-            key = self._calibration_key(kmax, context)
-            costs = calibration.load_costs(key) if self.calibration_cache else None
+            key = calibration.cache_key(self._package_stamp, self.describe_sessions(), kmax,
+                                        context)
+            costs = calibration.load_costs(key, kmax) if self.calibration_cache else None
             self.calibration[kmax] = "stored" if costs else "measured"
             if costs is None:
                 costs = calibrate(self.target, self.draft, context, kmax)
@@ -197,11 +220,6 @@ class Pipeline:
             self._costs[kmax] = costs
             self.calibration_s[kmax] = time.perf_counter() - start
         return self._costs[kmax]
-
-    def _calibration_key(self, kmax: int, context: int) -> str:
-        """The package, the sessions as configured and as started (the provider "auto" chose)."""
-        models = [spec.path for spec in self.manifest.models.values()]
-        return calibration.cache_key(self.path, models, self.describe_sessions(), kmax, context)
 
     def describe_sessions(self) -> dict:
         """Each model's session settings and the providers it runs on (for results files)."""

@@ -62,6 +62,7 @@ class ModelSession:
         self.kv_dtype = _ORT_DTYPES[first.type]
         self.has_position_ids = "position_ids" in inputs
         self.has_attention_mask = "attention_mask" in inputs
+        self._ones = np.ones((1, 0), np.int64)  # the attention mask: every position attended
         self.output_names = ["logits", *self.kv_outputs]
 
     def new_cache(self, positions: int | None = None) -> KVCache | InPlaceKVCache:
@@ -81,8 +82,10 @@ class ModelSession:
         """
         start, n = cache.length, len(tokens)
         feeds = {"input_ids": np.asarray(tokens, dtype=np.int64)[None, :]}
-        if self.has_attention_mask:
-            feeds["attention_mask"] = np.ones((1, start + n), dtype=np.int64)
+        if self.has_attention_mask:  # a view of one buffer: no allocation that grows with the text
+            if self._ones.shape[1] < start + n:
+                self._ones = np.ones((1, max(start + n, 2 * self._ones.shape[1])), np.int64)
+            feeds["attention_mask"] = self._ones[:, : start + n]
         if self.has_position_ids:
             feeds["position_ids"] = np.arange(start, start + n, dtype=np.int64)[None, :]
         if self.in_place:

@@ -25,7 +25,7 @@ from functools import partial
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -167,10 +167,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
     if length.isdigit() and int(length) > limit:
         raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:  # gone before its request was read: nobody to answer
+        raise ApiError(400, "the client disconnected while sending the request") from None
     return bytes(body)
 
 
@@ -236,10 +239,9 @@ OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}
 def _sampling(server: Server, body: Settings) -> dict:
     """The request's sampling settings; those it omits from the package's generation
     defaults, else OpenAI's."""
-    defaults = server.pipe.manifest.generation or OPENAI_SAMPLING
     given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k")
              if getattr(body, name) is not None}
-    return {**defaults, **given}
+    return {**OPENAI_SAMPLING, **server.pipe.manifest.generation, **given}
 
 
 def _submit(server: Server, body: Settings, prompt_ids: list[int], max_tokens: int) -> Job:
@@ -350,6 +352,10 @@ class _Reply:
                          .response_body())
         except EdgespecError as e:
             yield _event(ApiError(400, str(e)).response_body())
+        except Exception as e:  # a fault in edgespec mid-stream: said as a 500 would say it
+            log.exception("internal error while streaming", exc_info=e)
+            yield _event(ApiError(500, f"internal error ({type(e).__name__}); this is a bug in "
+                                       "edgespec", kind="server_error").response_body())
         finally:
             job.cancel()  # the client went away: the generation ends at its next round
         yield "data: [DONE]\n\n"

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from edgespec.config import DRAFTERS, MAX_GAMMA, SCHEDULES, GenerationConfig
 
 _DEFAULTS = GenerationConfig()
+MAX_STOPS, STOP_CHARS = 4, 256  # stop sequences: how many, how long
 
 
 class _Body(BaseModel):
@@ -54,6 +55,18 @@ class Settings(_Body):
     use_draft: bool = True
     drafter: Literal[DRAFTERS] = "auto"  # type: ignore[valid-type]
     ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _few_short_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        """OpenAI's limit, up to 4 stop sequences; each is matched against every round's text,
+        so thousands of them would slow the one generation everyone waits for."""
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+        if any(len(s) > STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence has at most {STOP_CHARS} characters")
+        return stop
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for the first setting edgespec cannot honour, or None."""
@@ -124,8 +137,13 @@ class ChatCompletionRequest(Settings):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
+        if self.tools or self.tool_choice not in (None, "none"):
             return "tools", "tools (function calling) are not supported"
+        if self.response_format not in (None, {"type": "text"}):
+            return "response_format", ("response_format (JSON mode, schemas) is not supported; "
+                                       "leave it out or give {\"type\": \"text\"}")
         return super().unsupported()

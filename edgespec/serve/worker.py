@@ -49,8 +49,10 @@ class Job:
         self._cancel = threading.Event()
 
     def cancel(self) -> None:
-        """End the generation at its next round (or before it starts)."""
+        """End the generation at its next round (or before it starts), whether or not its
+        rounds make text (special tokens, a held-back stop string or character make none)."""
         self._cancel.set()
+        self.stream.cancel()
 
     @property
     def cancelled(self) -> bool:
@@ -92,6 +94,7 @@ class Worker:
         self._lock = threading.Lock()  # counts change in both the loop and the thread
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="edgespec-generate")
         self._closing = threading.Event()
+        self._running: Job | None = None  # the job the thread is generating, for close()
 
     def counts(self) -> dict:
         with self._lock:
@@ -115,21 +118,22 @@ class Worker:
             self._counts.waiting -= 1
             self._counts.running += 1
         outcome = "cancelled"
+        self._running = job
         try:
+            if self._closing.is_set():  # close() came before this job started
+                job.cancel()
+            for piece in job.stream:  # a cancelled stream ends at its next round
+                job.send(piece)
             if not self._stopped(job):
-                for piece in job.stream:
-                    job.send(piece)
-                    if self._stopped(job):
-                        break
-                else:
-                    outcome = "completed"
-                    job.send(job.stream.result)
+                outcome = "completed"
+                job.send(job.stream.result)
             if outcome == "cancelled":  # whoever still listens stops waiting
                 job.send(Cancelled("the generation was cancelled: the server is stopping"))
         except Exception as e:  # the request answers with it
             outcome = "failed"
             job.send(e)
         finally:
+            self._running = None
             with self._lock:
                 self._counts.running -= 1
                 setattr(self._counts, outcome, getattr(self._counts, outcome) + 1)
@@ -140,4 +144,6 @@ class Worker:
     def close(self) -> None:
         """Refuse new jobs, end running ones at their next round, wait for the thread."""
         self._closing.set()
+        if (running := self._running) is not None:
+            running.cancel()
         self._executor.shutdown(wait=True)
