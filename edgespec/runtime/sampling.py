@@ -375,8 +375,9 @@ class PositionUniforms:
         n = position - self.first
         if n < 0:
             raise IndexError(f"position {position} is in the prompt (generated from {self.first})")
-        while len(self._table) < n + count:
-            self._table = np.concatenate([self._table, self._rng.random((self.CHUNK, 3))])
+        if len(self._table) < n + count:  # doubled: a long generation copies it O(log n) times
+            more = max(self.CHUNK, len(self._table), n + count - len(self._table))
+            self._table = np.concatenate([self._table, self._rng.random((more, 3))])
         return self._table[n : n + count]
 
 
