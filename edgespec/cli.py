@@ -238,7 +238,7 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
 @click.option("--token-healing/--no-token-healing", default=_DEFAULTS.token_healing,
               show_default=True,
               help="Back the prompt off its last token and let the first generated token "
-                   "regrow it (a prompt ending in '):', a space or a newline).")
+                   "regrow it (a prompt ending in a space or a newline, say).")
 @click.option("--provider", default="auto", show_default=True,
               type=click.Choice(PROVIDERS))
 @click.option("--draft-provider", type=click.Choice(PROVIDERS),

@@ -83,7 +83,7 @@ class GenerationConfig:
         first); 1 <= ngram_min <= ngram_max <= 8.
     token_healing: back a text prompt off its last token and let the first generated token be
         any token whose text starts with that token's text (runtime/healing.py): a prompt
-        ending in "):", a space or a newline then continues as the model would have split it.
+        ending in a space or a newline then continues as the model would have split it.
         The first generated token regrows the removed text, which the returned text leaves out.
     """
 
