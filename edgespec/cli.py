@@ -235,6 +235,10 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
               help="Shortest suffix the n-gram lookup matches.")
 @click.option("--no-draft", is_flag=True, help="Decode with the target alone (the baseline).")
 @click.option("--ignore-eos", is_flag=True, help="Generate --max-new-tokens even past EOS.")
+@click.option("--token-healing/--no-token-healing", default=_DEFAULTS.token_healing,
+              show_default=True,
+              help="Back the prompt off its last token and let the first generated token "
+                   "regrow it (a prompt ending in a space or a newline, say).")
 @click.option("--provider", default="auto", show_default=True,
               type=click.Choice(PROVIDERS))
 @click.option("--draft-provider", type=click.Choice(PROVIDERS),
@@ -244,8 +248,8 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
 def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, gamma: int, schedule: str,
              seed: int | None, stop: tuple[str, ...], drafter: str, ngram_max: int,
-             ngram_min: int, no_draft: bool, ignore_eos: bool, provider: str,
-             draft_provider: str | None, as_json: bool) -> None:
+             ngram_min: int, no_draft: bool, ignore_eos: bool, token_healing: bool,
+             provider: str, draft_provider: str | None, as_json: bool) -> None:
     """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair)."""
     load = _runtime().load
 
@@ -272,6 +276,7 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
         drafter=drafter,
         ngram_min=ngram_min,
         ngram_max=ngram_max,
+        token_healing=token_healing,
     )
     pipe = load(package, provider=provider, draft_provider=draft_provider)
     config = replace(config, sampling=replace(pipe.default_sampling, **given))

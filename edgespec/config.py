@@ -81,6 +81,10 @@ class GenerationConfig:
         means "none" whatever this says.
     ngram_min, ngram_max: the shortest and longest suffix the n-gram lookup matches (longest
         first); 1 <= ngram_min <= ngram_max <= 8.
+    token_healing: back a text prompt off its last token and let the first generated token be
+        any token whose text starts with that token's text (runtime/healing.py): a prompt
+        ending in a space or a newline then continues as the model would have split it.
+        The first generated token regrows the removed text, which the returned text leaves out.
     """
 
     max_new_tokens: int = 128
@@ -97,6 +101,7 @@ class GenerationConfig:
     drafter: str = "auto"
     ngram_min: int = 1
     ngram_max: int = 3
+    token_healing: bool = True
 
     def __post_init__(self) -> None:
         if not (_is_int(self.max_new_tokens) and self.max_new_tokens >= 1):
@@ -119,7 +124,7 @@ class GenerationConfig:
         if not (_is_int(self.ngram_min) and 1 <= self.ngram_min <= self.ngram_max):
             raise ConfigError(f"ngram_min must be an integer in 1..ngram_max ({self.ngram_max}), "
                               f"got {self.ngram_min!r}")
-        for name in ("use_draft", "ignore_eos"):
+        for name in ("use_draft", "ignore_eos", "token_healing"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.seed is not None and not (_is_int(self.seed) and self.seed >= 0):

@@ -15,7 +15,7 @@ BAD_GENERATION = [
     dict(seed=-1), dict(seed="1"), dict(seed=1.5),
     dict(schedule="magic"), dict(schedule=None),
     dict(stop=("",)), dict(stop=("END", 5)), dict(stop="END"),
-    dict(use_draft="no"), dict(ignore_eos=1),
+    dict(use_draft="no"), dict(ignore_eos=1), dict(token_healing="yes"), dict(token_healing=None),
     dict(sampling={"temperature": 1.0}),
 ]
 BAD_SAMPLING = [

@@ -17,6 +17,7 @@ from edgespec.errors import ConfigError, GenerationError, ManifestError
 from edgespec.manifest import Manifest
 from edgespec.runtime import calibration
 from edgespec.runtime.drafters import resolve_drafter
+from edgespec.runtime.healing import Healing, PrefixIndex, heal
 from edgespec.runtime.schedule import (
     AdaptiveSchedule,
     FixedSchedule,
@@ -42,7 +43,12 @@ NGRAM_STEP_MS = 0.005
 
 @dataclass
 class GenerationResult:
-    """What ``generate`` returns: the text, the generated ids and the stats of the run."""
+    """What ``generate`` returns: the text, the generated ids and the stats of the run.
+
+    With token healing (``stats.healed`` not empty) ``token_ids`` starts with the token that
+    regrew the prompt's last one, and ``text`` leaves out the healed text, which the prompt
+    holds: prompt + text reads on from the prompt as the user wrote it.
+    """
 
     text: str
     token_ids: list[int]
@@ -118,6 +124,11 @@ class Pipeline:
         self._costs: dict[int, StepCosts] = {}
         self.calibration_s: dict[int, float] = {}  # per kmax: seconds spent finding the costs
         self.calibration: dict[int, str] = {}  # per kmax: "measured" or "stored" (read back)
+        self._prefix_index: PrefixIndex | None = None  # token healing's, built on first use
+        self.prefix_index_s = 0.0  # what building it took
+        added = self.tokenizer.get_added_tokens_decoder()
+        self.special_ids = {i for i, token in added.items() if token.special} | {
+            i for i in (*m.eos_token_ids, m.bos_token_id, m.pad_token_id) if i is not None}
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """The prompt's token ids: text is tokenized (BOS first where the tokenizer adds one);
@@ -133,9 +144,28 @@ class Pipeline:
             raise GenerationError("the prompt is empty; give at least one character")
         return ids
 
+    @property
+    def prefix_index(self) -> PrefixIndex:
+        """Token healing's index of the vocabulary's texts, built on first use."""
+        if self._prefix_index is None:
+            start = time.perf_counter()
+            self._prefix_index = PrefixIndex.from_tokenizer(self.tokenizer, self.special_ids)
+            self.prefix_index_s = time.perf_counter() - start
+        return self._prefix_index
+
+    def heal(self, prompt: str | Sequence[int], prompt_ids: list[int]) -> Healing | None:
+        """The back-off of a text prompt (runtime/healing.py), None where it does not apply.
+
+        Only text is healed: a prompt given as token ids is taken as it is (a rendered chat
+        template, the server's chat path, ends on the template's own structural tokens).
+        """
+        if not isinstance(prompt, str):
+            return None
+        return heal(prompt_ids, self.tokenizer, self.special_ids, lambda: self.prefix_index)
+
     def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None, **settings) -> TextStream:
         """Generate, yielding text pieces as they are decoded. Settings as for ``generate``;
-        ``prompt`` as for ``encode``: text or token ids."""
+        ``prompt`` as for ``encode``: text or token ids (never healed)."""
         config = make_config(config, self.default_sampling, **settings)
         prompt_ids = self.encode(prompt)
         limit = self.manifest.max_positions
@@ -155,23 +185,29 @@ class Pipeline:
             if cancelled.is_set():  # before the prefill and any measuring of costs
                 stats.finish_reason = "cancelled"
                 return
-            detok, stops = IncrementalDecoder(self.tokenizer), StopMatcher(config.stop)
+            healing = self.heal(prompt, prompt_ids) if config.token_healing else None
+            stats.healed = healing.removed if healing else ""
+            detok = IncrementalDecoder(self.tokenizer, healing.context if healing else None)
+            stops = StopMatcher(config.stop)
+            unhealed = _Unprefix(stats.healed)  # the healed text, in the prompt already
             eos = set() if config.ignore_eos else set(self.manifest.eos_token_ids)
             schedule = self._schedule(config, drafter, stats)  # adaptive may measure costs first
-            rounds = decode(self.target, self.draft, prompt_ids, replace(config, drafter=drafter),
-                            schedule, limit, eos, stats)
+            rounds = decode(self.target, self.draft, healing.prompt if healing else prompt_ids,
+                            replace(config, drafter=drafter), schedule, limit, eos, stats,
+                            first_allowed=healing.allowed if healing else None)
             for new in rounds:
                 if cancelled.is_set():  # checked every round, whether or not it made text
                     stats.finish_reason = "cancelled"
                     return
                 generated.extend(new)
-                text, stopped = stops.feed(detok.add(new))
+                text, stopped = stops.feed(unhealed(detok.add(new)))
                 if text:
                     yield text
                 if stopped:
                     stats.finish_reason = "stop_string"
                     return
-            text, stopped = stops.feed(detok.flush())  # a character left incomplete at the end
+            # a character left incomplete at the end
+            text, stopped = stops.feed(unhealed(detok.flush()))
             if stopped:
                 stats.finish_reason = "stop_string"
             if tail := text + stops.flush():
@@ -234,14 +270,35 @@ class Pipeline:
 
         ``config`` gives every setting at once; keyword settings override its fields:
         max_new_tokens, gamma, schedule, use_draft, drafter, ngram_min, ngram_max, seed, stop,
-        ignore_eos, temperature, top_k, top_p. Without ``config``, sampling starts from the
-        package's defaults (``default_sampling``: its target's generation_config.json, else
-        greedy) and keyword settings override them.
+        ignore_eos, token_healing, temperature, top_k, top_p. Without ``config``, sampling
+        starts from the package's defaults (``default_sampling``: its target's
+        generation_config.json, else greedy) and keyword settings override them.
         """
         stream = self.stream(prompt, config, **settings)
         for _ in stream:
             pass
         return stream.result
+
+
+class _Unprefix:
+    """Drop ``prefix`` from the start of a text stream, however it is cut into pieces.
+
+    Token healing's first token starts with the healed text by construction (its allowed
+    set), so anything else is a bug, raised as one.
+    """
+
+    def __init__(self, prefix: str):
+        self.rest = prefix
+
+    def __call__(self, piece: str) -> str:
+        if not self.rest:
+            return piece
+        n = min(len(piece), len(self.rest))
+        if piece[:n] != self.rest[:n]:
+            raise RuntimeError(f"token healing: the generated text {piece!r} does not start "
+                               f"with the healed text {self.rest!r}")
+        self.rest = self.rest[n:]
+        return piece[n:]
 
 
 def load_tokenizer(folder: Path, manifest: Manifest) -> Tokenizer:

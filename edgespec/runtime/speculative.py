@@ -2,7 +2,8 @@
 
 The cache invariant of ``kv_cache.py``: at the start of a round the target's cache covers
 ``committed[:-1]`` and each run feeds what the cache does not cover yet. What drafts (a draft
-model, an n-gram lookup, nothing) is behind one interface, ``drafters.Drafter``.
+model, an n-gram lookup, nothing) is behind one interface, ``drafters.Drafter``. A healed prompt
+(healing.py) starts with one constrained target step, ``constrained_step``.
 """
 
 from __future__ import annotations
@@ -124,6 +125,33 @@ def speculative_round(
     return new_tokens
 
 
+def constrained_step(
+    target: Decoder,
+    committed: list[int],
+    allowed: np.ndarray,
+    sampling: SamplingConfig,
+    uniforms: PositionUniforms,
+    stats: GenerationStats,
+) -> int:
+    """One target step whose token is drawn from p restricted to ``allowed`` (token healing).
+
+    The target's row at position n = len(committed), its logits outside ``allowed`` at -inf,
+    then the request's processing (temperature, top-k, top-p: the restricted row renormalised):
+    greedy the argmax over ``allowed``, sampling F_p^-1(u[n, 0]), as target-only decoding
+    draws every position. No drafter takes part, so this position is drawn the same way, from
+    the same row and uniform, with or without one. The cache keeps its invariant: it ends
+    covering ``committed``, i.e. the new ``committed[:-1]``.
+    """
+    logits = target.run(committed)[-1]  # [V]
+    with _timed(stats, "sampling_s"):
+        masked = np.full_like(logits, -np.inf)  # [V]
+        masked[allowed] = logits[allowed]
+        p = process_row(masked, sampling)
+        if sampling.greedy:
+            return int(p.ids[0])
+        return p.draw(uniforms.rows(len(committed), 1)[0, 0])
+
+
 def decode(
     target: ModelSession,
     draft: ModelSession | Drafter | None,
@@ -133,6 +161,7 @@ def decode(
     max_positions: int,
     eos_token_ids: set[int],
     stats: GenerationStats,
+    first_allowed: np.ndarray | None = None,
 ) -> Iterator[list[int]]:
     """Yield the tokens each round commits, until EOS, ``max_new_tokens`` or the context ends.
 
@@ -140,6 +169,9 @@ def decode(
     ``config.drafter`` picks one (drafters.resolve_drafter; ``use_draft`` False: none, the
     target alone). ``schedule`` picks each round's k (0: a plain target step). An EOS token is
     yielded and ends the generation. ``stats.finish_reason`` says why it stopped.
+    ``first_allowed``: the ids the first generated token may take (token healing: ``prompt``
+    is then the user's backed off its last token, healing.py); it is drawn by one
+    ``constrained_step`` before any drafting, and counts as a generated token.
     """
     uniforms = PositionUniforms(config.seed, first=len(prompt))  # u[n] for generated token n
     started = time.perf_counter()
@@ -162,18 +194,29 @@ def decode(
     target_decoder.stats = stats
 
     while True:
-        remaining = config.max_new_tokens - stats.new_tokens
-        # Drafting more than remaining - 1 is wasted; a round commits up to k + 1 tokens, and
-        # the window holds max_positions, as target-only decoding fills it.
-        k = min(schedule.next_k() if speculative else 0, remaining - 1,
-                max_positions - len(committed) - 1)
-        drafted_before = stats.drafted
-        new = speculative_round(target_decoder, drafter, committed, k, config.sampling,
-                                uniforms, stats)
-        k = stats.drafted - drafted_before  # what the drafter proposed: a lookup may run out
-        if speculative:
-            stats.draft_lengths[k] = stats.draft_lengths.get(k, 0) + 1
-            schedule.update(k, n_accepted=len(new) - 1)
+        if first_allowed is not None:
+            # Token healing: the first position from the target's row restricted to the allowed
+            # ids, drawn identically in target-only and speculative decoding and never drafted,
+            # so it is exact by construction (and a seed gives the same token whatever k or
+            # the schedule). A target step: counted as a k = 0 round, not shown the schedule.
+            new = [constrained_step(target_decoder, committed, first_allowed, config.sampling,
+                                    uniforms, stats)]
+            first_allowed = None
+            if speculative:
+                stats.draft_lengths[0] = stats.draft_lengths.get(0, 0) + 1
+        else:
+            remaining = config.max_new_tokens - stats.new_tokens
+            # Drafting more than remaining - 1 is wasted; a round commits up to k + 1 tokens,
+            # and the window holds max_positions, as target-only decoding fills it.
+            k = min(schedule.next_k() if speculative else 0, remaining - 1,
+                    max_positions - len(committed) - 1)
+            drafted_before = stats.drafted
+            new = speculative_round(target_decoder, drafter, committed, k, config.sampling,
+                                    uniforms, stats)
+            k = stats.drafted - drafted_before  # what the drafter proposed: a lookup may run out
+            if speculative:
+                stats.draft_lengths[k] = stats.draft_lengths.get(k, 0) + 1
+                schedule.update(k, n_accepted=len(new) - 1)
         if target_decoder.cache.length != len(committed) + len(new) - 1:
             raise CacheError(f"the target's cache covers {target_decoder.cache.length} tokens, "
                              f"not the {len(committed) + len(new) - 1} committed before the last")

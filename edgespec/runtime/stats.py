@@ -17,7 +17,11 @@ class GenerationStats:
 
     speculative: bool
     drafter: str = ""  # "model", "ngram" or "none" (runtime/drafters.py)
+    # the prompt as decoded: with token healing, the user's without its last token
     prompt_tokens: int = 0
+    # token healing (runtime/healing.py): the text of the prompt's last token, backed off and
+    # regrown by the first generated token; "" when the prompt was not healed
+    healed: str = ""
     new_tokens: int = 0
     rounds: int = 0
     drafted: int = 0

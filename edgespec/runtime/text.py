@@ -23,11 +23,13 @@ class IncrementalDecoder:
     so the streamed text always equals the decoded tokens.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, context: list[int] | None = None):
+        """``context``: tokens whose text is not emitted, decoded before the new ones so that
+        those read as they do after them (the prompt's last tokens, for token healing)."""
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.ids: list[int] = list(context or [])
         self.prefix_start = 0  # window start: a few tokens before the first unemitted one
-        self.emit_start = 0  # first token whose text has not been emitted
+        self.emit_start = len(self.ids)  # first token whose text has not been emitted
 
     def add(self, new_ids: list[int]) -> str:
         """The text the new tokens complete ("" while a character is still partial)."""

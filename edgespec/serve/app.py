@@ -132,9 +132,12 @@ async def get_model(server: Server, request: Request) -> JSONResponse:
 async def completions(server: Server, request: Request) -> Response:
     body = _parse(CompletionRequest, await _read_body(request, server.max_body))
     _check_settings(server, body)
-    prompt_ids = _encode(server, body.single_prompt(), "prompt")
+    prompt = body.single_prompt()
+    prompt_ids = _encode(server, prompt, "prompt")
     max_tokens = body.max_tokens or COMPLETION_MAX_TOKENS
-    return await _respond(server, request, body, prompt_ids, max_tokens, chat=False)
+    # text goes to the pipeline as text, which token healing needs (ids are never healed)
+    return await _respond(server, request, body, prompt_ids, max_tokens, chat=False,
+                          prompt=prompt)
 
 
 async def chat_completions(server: Server, request: Request) -> Response:
@@ -244,13 +247,14 @@ def _sampling(server: Server, body: Settings) -> dict:
     return {**OPENAI_SAMPLING, **server.pipe.manifest.generation, **given}
 
 
-def _submit(server: Server, body: Settings, prompt_ids: list[int], max_tokens: int) -> Job:
+def _submit(server: Server, body: Settings, prompt: str | list[int], max_tokens: int) -> Job:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     try:
         stream = server.pipe.stream(
-            prompt_ids, max_new_tokens=max_tokens, **_sampling(server, body),
+            prompt, max_new_tokens=max_tokens, **_sampling(server, body),
             gamma=body.gamma, schedule=body.schedule,
-            use_draft=body.use_draft, drafter=body.drafter, seed=body.seed, stop=stop, ignore_eos=body.ignore_eos)
+            use_draft=body.use_draft, drafter=body.drafter, seed=body.seed, stop=stop,
+            ignore_eos=body.ignore_eos, token_healing=body.token_healing)
     except EdgespecError as e:  # ConfigError names the setting first: "top_k must be ..."
         field = str(e).split(" ", 1)[0]
         raise ApiError(400, str(e), "max_tokens" if field == "max_new_tokens" else
@@ -265,8 +269,9 @@ def _submit(server: Server, body: Settings, prompt_ids: list[int], max_tokens: i
 
 
 async def _respond(server: Server, request: Request, body: Settings, prompt_ids: list[int],
-                   max_tokens: int, chat: bool) -> Response:
-    job = _submit(server, body, prompt_ids, max_tokens)
+                   max_tokens: int, chat: bool, prompt: str | list[int] | None = None) -> Response:
+    """``prompt``: what the pipeline gets (text or ids), ``prompt_ids`` if not given."""
+    job = _submit(server, body, prompt_ids if prompt is None else prompt, max_tokens)
     reply = _Reply(server.model, chat, len(prompt_ids))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -306,9 +311,12 @@ class _Reply:
                 "choices": choices, **extra}
 
     def _usage(self, result: GenerationResult) -> dict:
+        # the prompt as decoded: with token healing one token shorter, its last token regrown
+        # by the first completion token, so the total is the context the request used
+        prompt = result.stats.prompt_tokens or self.prompt_tokens
         completion = result.stats.new_tokens
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
 
     def whole(self, result: GenerationResult) -> dict:
         finish = FINISH_REASONS.get(result.stats.finish_reason, "stop")

@@ -2,7 +2,8 @@
 by the schema, with the field's name, before anything else looks at it.
 
 Fields as OpenAI defines them (its API reference, "Completions" and "Chat"), then edgespec's
-own: top_k, gamma, schedule, drafter, use_draft, ignore_eos. Unknown fields are ignored, as OpenAI's
+own: top_k, gamma, schedule, drafter, use_draft, ignore_eos, token_healing (a text prompt
+of /v1/completions only; runtime/healing.py). Unknown fields are ignored, as OpenAI's
 clients send some that change nothing here; those that would change the output and that
 edgespec cannot honour (penalties, logprobs, several choices) are refused by ``unsupported``.
 """
@@ -55,6 +56,7 @@ class Settings(_Body):
     use_draft: bool = True
     drafter: Literal[DRAFTERS] = "auto"  # type: ignore[valid-type]
     ignore_eos: bool = False
+    token_healing: bool = _DEFAULTS.token_healing
 
     @field_validator("stop")
     @classmethod
