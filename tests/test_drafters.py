@@ -4,7 +4,6 @@ Exactness through real onnxruntime sessions: test_ngram.py."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 
 import numpy as np
@@ -15,6 +14,7 @@ from stats_check import ALPHA, fit_pvalue
 from test_fast_sampling import (
     SAMPLED,
     RandomSchedule,
+    exact_joint,
     fake_pair,
     keep_every_draft_token,
     replace_rejected_from_p,
@@ -24,7 +24,6 @@ from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError
 from edgespec.runtime import drafters, sampling
 from edgespec.runtime.drafters import NgramDrafter, NgramIndex, resolve_drafter
-from edgespec.runtime.sampling import process_logits
 from edgespec.runtime.schedule import FixedSchedule, HeuristicSchedule
 from edgespec.runtime.speculative import decode
 from edgespec.runtime.stats import GenerationStats
@@ -181,14 +180,7 @@ def first_tokens_pvalue(sampling_config: SamplingConfig, k: int) -> tuple[float,
     """Chi-square of the first 3 tokens of n-gram speculative decoding on a fake 4-token target
     against its exact joint distribution; also the tokens drafted and accepted in all."""
     target, _ = fake_pair(vocab=4)
-
-    def p(prefix) -> np.ndarray:
-        return process_logits(target.row(prefix)[None], sampling_config)[0]
-
-    expected = {}
-    for seq in itertools.product(range(4), repeat=3):
-        prefixes = [(*PROMPT, *seq[:i]) for i in range(3)]
-        expected[seq] = float(np.prod([p(pre)[t] for pre, t in zip(prefixes, seq)]))
+    expected = exact_joint(target, sampling_config, PROMPT, vocab=4, length=3)
     samples, drafted, accepted = [], 0, 0
     for seed in range(N_LOOP):
         config = GenerationConfig(max_new_tokens=3, sampling=sampling_config, seed=seed, gamma=k,

@@ -476,19 +476,26 @@ def test_greedy_on_fake_sessions_is_the_target_argmax_whatever_k():
 N_LOOP = 2000  # generations per check (about 1 s); wrong draws score p < 1e-20
 
 
+def exact_joint(target, sampling_config: SamplingConfig, prompt: tuple, vocab: int,
+                length: int) -> dict[tuple, float]:
+    """The target's exact probability of every continuation of ``prompt`` of ``length`` tokens
+    (the reference's p, prefix by prefix)."""
+    def p(prefix) -> np.ndarray:
+        return process_logits(target.row(prefix)[None], sampling_config)[0]
+
+    expected = {}
+    for seq in itertools.product(range(vocab), repeat=length):
+        prefixes = [(*prompt, *seq[:i]) for i in range(length)]
+        expected[seq] = float(np.prod([p(pre)[t] for pre, t in zip(prefixes, seq)]))
+    return expected
+
+
 def first_tokens_pvalue(n_samples: int, sampling_config: SamplingConfig, k: int) -> float:
     """Chi-square of the first 3 tokens of speculative decoding on fake sessions against the
     target's exact joint distribution (the reference's p, prefix by prefix)."""
     target, draft = fake_pair(vocab=4)
     prompt = (1, 2)
-
-    def p(prefix) -> np.ndarray:
-        return process_logits(target.row(prefix)[None], sampling_config)[0]
-
-    expected = {}
-    for seq in itertools.product(range(4), repeat=3):
-        prefixes = [(*prompt, *seq[:i]) for i in range(3)]
-        expected[seq] = float(np.prod([p(pre)[t] for pre, t in zip(prefixes, seq)]))
+    expected = exact_joint(target, sampling_config, prompt, vocab=4, length=3)
     samples = []
     for seed in range(n_samples):
         config = GenerationConfig(max_new_tokens=3, sampling=sampling_config, seed=seed, gamma=k)
