@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -44,10 +43,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import edgespec
-    from edgespec.bench import read_prompts
+    from edgespec.bench import read_prompts, summarise
     from edgespec.config import GenerationConfig, SamplingConfig
     from edgespec.runtime.machine import describe, machine_info
-    from edgespec.runtime.stats import GenerationStats
 
     machine = machine_info()
     packages = export_variants(Path(args.build))
@@ -74,17 +72,13 @@ def main() -> None:
                                                                       **settings)).stats
                         pairs[name, k].append((base, spec))
         for (name, k), runs in pairs.items():
-            spec = GenerationStats.combined(s for _, s in runs)
-            base = GenerationStats.combined(b for b, _ in runs)
+            summary = summarise(temperature, "model", "fixed", k, runs)  # edgespec bench's
             size = (packages[name] / "draft" / "model.onnx").stat().st_size / 2**20
             row = {
                 "temperature": temperature, "gamma": k, "draft": name,
-                "speedup": statistics.median(s.tokens_per_s / b.tokens_per_s for b, s in runs),
-                "alpha": spec.alpha,
-                "draft_step_ms": 1e3 * spec.draft_s / spec.draft_calls,
-                "target_step_ms": 1e3 * base.target_s / base.target_calls,
-                "verify_ms": 1e3 * spec.target_s / spec.target_calls,
-                "draft_mib": size,
+                "speedup": summary.speedup, "alpha": summary.alpha,
+                "draft_step_ms": summary.draft_step_ms, "target_step_ms": summary.target_step_ms,
+                "verify_ms": summary.verify_ms, "draft_mib": size,
             }
             rows.append(row)
             print(f"{temperature:>4g} {k:>3} {name:>6} {row['speedup']:>7.2f}x {row['alpha']:>6.3f} "

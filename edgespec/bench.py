@@ -157,7 +157,7 @@ def run_bench(
                         (baseline, pipe.generate(prompt, spec).stats))
                 done += 1 + len(config.variants)
                 progress(done)
-        report.rows += [_summarise(temperature, *v, runs[v]) for v in config.variants]
+        report.rows += [summarise(temperature, *v, runs[v]) for v in config.variants]
     return report
 
 
@@ -172,7 +172,7 @@ def total_runs(config: BenchConfig, prompts: int) -> int:
     return len(config.temperatures) * config.repeats * prompts * (1 + len(config.variants))
 
 
-def _summarise(temperature: float, drafter: str, schedule: str, gamma: int, pairs: list) -> Row:
+def summarise(temperature: float, drafter: str, schedule: str, gamma: int, pairs: list) -> Row:
     """Rates and speedups are medians over runs; acceptance and step costs pool all the runs'
     rounds and calls (GenerationStats.combined)."""
     median = statistics.median

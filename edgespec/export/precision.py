@@ -49,7 +49,6 @@ def store_exact_halves(folder: Path) -> dict[str, int]:
     checkpoint's size; quantized operators' scales stay float32 initializers, as their kernels
     prepack them. Returns the number of float weights per stored type.
     """
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     model = _load(folder)
