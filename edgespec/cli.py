@@ -427,7 +427,7 @@ def list_models(packages: tuple[Path, ...]) -> None:
 @models.command("build-demo")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Folder to create: checkpoints/ and package/ go inside.")
-@click.option("--target-minutes", type=float, help="Target training budget [default: 33].")
+@click.option("--target-minutes", type=float, help="Target training budget [default: 72].")
 @click.option("--draft-minutes", type=float, help="Draft distillation budget [default: 14].")
 @click.option("--seed", default=0, show_default=True)
 @_user_errors

@@ -17,9 +17,10 @@ from edgespec.models import demo_package
 from edgespec.models.recipe.build import DEMO_EXPORT
 
 CHECKPOINTS = Path(__file__).parents[1] / "checkpoints" / "demo"
-# Greedy acceptance of the shipped draft on held-out prompts was 0.7-0.8 when it was built;
-# below this floor the draft (or the runtime) has regressed.
-ACCEPTANCE_FLOOR = 0.6
+# Greedy acceptance rate (accepted / drafted, k = 4) of the shipped draft on these prompts: 0.43
+# for the pair retrained on 2026-12-01 (0.7-0.8 for the weaker 8-layer target before it); below
+# this floor the draft (or the runtime) has regressed.
+ACCEPTANCE_FLOOR = 0.35
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,8 @@ def test_greedy_speculative_equals_target_only_with_high_acceptance(demo):
     prompts = read_prompts(demo_package() / PROMPTS_NAME)[:4]
     accepted = drafted = 0
     for prompt in prompts:
-        baseline = demo.generate(prompt, max_new_tokens=48, use_draft=False)
-        result = demo.generate(prompt, max_new_tokens=48, gamma=4)
+        baseline = demo.generate(prompt, max_new_tokens=48, temperature=0, use_draft=False)
+        result = demo.generate(prompt, max_new_tokens=48, temperature=0, gamma=4)
         assert result.token_ids == baseline.token_ids, prompt
         accepted, drafted = accepted + result.stats.accepted, drafted + result.stats.drafted
     assert accepted / drafted >= ACCEPTANCE_FLOOR

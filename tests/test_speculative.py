@@ -292,6 +292,21 @@ def test_stop_strings_cut_the_text(pipes):
     assert cut.stats.finish_reason == "stop_string"
 
 
+def test_a_stop_string_ends_the_ids_at_the_token_completing_it(pipes):
+    pipe = pipes["llama"]
+    settings = {"max_new_tokens": 40, "gamma": 8, "schedule": "fixed", "token_healing": False}
+    full = pipe.generate("def add(a, b):", **settings)
+    for start in (3, 9, 15):
+        stop = full.text[start : start + 2]
+        if "\ufffd" in stop:  # a byte of a character: not a string a user would stop at
+            continue
+        cut = pipe.generate("def add(a, b):", stop=[stop], **settings)
+        ids = cut.token_ids
+        assert ids == full.token_ids[: len(ids)]
+        assert stop in pipe.tokenizer.decode(ids) and stop not in pipe.tokenizer.decode(ids[:-1])
+        assert cut.stats.new_tokens == len(ids)
+
+
 def test_stream_yields_the_text_in_pieces(pipes):
     pipe = pipes["llama_noisy"]
     stream = pipe.stream("Grüße aus", max_new_tokens=40, gamma=3)

@@ -199,11 +199,18 @@ class Pipeline:
                 if cancelled.is_set():  # checked every round, whether or not it made text
                     stats.finish_reason = "cancelled"
                     return
-                generated.extend(new)
-                text, stopped = stops.feed(unhealed(detok.add(new)))
+                # token by token, so that a stop string ends the ids at the token completing it
+                text, stopped = "", False
+                for token in new:
+                    generated.append(token)
+                    piece, stopped = stops.feed(unhealed(detok.add([token])))
+                    text += piece
+                    if stopped:
+                        break
                 if text:
                     yield text
-                if stopped:
+                if stopped:  # the round's tokens after the stop string are not returned
+                    stats.new_tokens = len(generated)
                     stats.finish_reason = "stop_string"
                     return
             # a character left incomplete at the end

@@ -133,7 +133,8 @@ async def completions(server: Server, request: Request) -> Response:
     body = _parse(CompletionRequest, await _read_body(request, server.max_body))
     _check_settings(server, body)
     prompt = body.single_prompt()
-    prompt_ids = _encode(server, prompt, "prompt")
+    # tokenizing a long prompt takes a while: off the event loop, which streams other requests
+    prompt_ids = await asyncio.to_thread(_encode, server, prompt, "prompt")
     max_tokens = body.max_tokens or COMPLETION_MAX_TOKENS
     # text goes to the pipeline as text, which token healing needs (ids are never healed)
     return await _respond(server, request, body, prompt_ids, max_tokens, chat=False,
@@ -149,17 +150,22 @@ async def chat_completions(server: Server, request: Request) -> Response:
                        "them); use /v1/completions, or re-export from a checkpoint whose "
                        "tokenizer_config.json has a chat_template",
                        "messages", "chat_template_missing")
+    prompt_ids = await asyncio.to_thread(_encode_chat, server, body)
+    # default: the rest of the context window, where OpenAI's models stop too
+    max_tokens = (body.max_completion_tokens or body.max_tokens
+                  or server.pipe.manifest.max_positions - len(prompt_ids))
+    return await _respond(server, request, body, prompt_ids, max_tokens, chat=True)
+
+
+def _encode_chat(server: Server, body: ChatCompletionRequest) -> list[int]:
+    """The conversation rendered with the package's chat template, then its ids."""
     try:
         text = server.template.render([m.as_template_input() for m in body.messages])
     except ChatTemplateError as e:
         raise ApiError(400, str(e), "messages") from None
     # the rendered text holds the template's special tokens (BOS too): none are added
-    prompt_ids = _encode(server, server.pipe.tokenizer.encode(text, add_special_tokens=False).ids,
-                         "messages")
-    # default: the rest of the context window, where OpenAI's models stop too
-    max_tokens = (body.max_completion_tokens or body.max_tokens
-                  or server.pipe.manifest.max_positions - len(prompt_ids))
-    return await _respond(server, request, body, prompt_ids, max_tokens, chat=True)
+    return _encode(server, server.pipe.tokenizer.encode(text, add_special_tokens=False).ids,
+                   "messages")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

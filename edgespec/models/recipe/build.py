@@ -26,6 +26,7 @@ from edgespec.models.recipe.train import PhaseStats, Progress, _ignore, distill_
 PROMPT_COUNT = 24
 
 
+
 @dataclass(frozen=True)
 class Corpus:
     """The trained tokenizer and the token streams of both splits (see encode_files)."""
