@@ -93,16 +93,18 @@ def score_package(package: Path, sets: dict[str, list[Path]], threads: int) -> d
     models = {"target": manifest.target, "draft": manifest.draft}
     result = {"package": str(package), "models": {},
               "tokenizer_sha256": hashlib.sha256(tokenizer_path.read_bytes()).hexdigest()}
+    streams = {}  # each set encoded once, for both models
+    for set_name, files in sets.items():
+        texts = [_read_source(path) for path in files]
+        encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+        streams[set_name] = np.concatenate([np.array([eos, *e.ids], np.int64) for e in encodings])
     for name, spec in models.items():
         if spec is None:
             continue
         context = manifest.max_positions
         session = ModelSession(package / spec.path, spec, manifest.vocab_size, context, config)
         result["models"][name] = {}
-        for set_name, files in sets.items():
-            texts = [_read_source(path) for path in files]
-            stream = np.concatenate([np.array([eos, *e.ids], np.int64)
-                                     for e in tokenizer.encode_batch(texts, add_special_tokens=False)])
+        for set_name, stream in streams.items():
             loss, tokens = stream_loss(session, stream, min(context, 512))
             result["models"][name][set_name] = {"loss": loss, "perplexity": math.exp(loss),
                                                 "tokens": tokens}

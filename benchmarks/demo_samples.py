@@ -29,7 +29,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import edgespec
-
     from edgespec.models import demo_package
 
     pipe = edgespec.load(args.package or demo_package())

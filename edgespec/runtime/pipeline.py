@@ -199,14 +199,17 @@ class Pipeline:
                 if cancelled.is_set():  # checked every round, whether or not it made text
                     stats.finish_reason = "cancelled"
                     return
-                # token by token, so that a stop string ends the ids at the token completing it
-                text, stopped = "", False
-                for token in new:
-                    generated.append(token)
-                    piece, stopped = stops.feed(unhealed(detok.add([token])))
-                    text += piece
-                    if stopped:
-                        break
+                if config.stop:  # token by token: a stop string ends the ids at its last token
+                    text, stopped = "", False
+                    for token in new:
+                        generated.append(token)
+                        piece, stopped = stops.feed(unhealed(detok.add([token])))
+                        text += piece
+                        if stopped:
+                            break
+                else:
+                    generated.extend(new)
+                    text, stopped = unhealed(detok.add(new)), False
                 if text:
                     yield text
                 if stopped:  # the round's tokens after the stop string are not returned
