@@ -38,11 +38,14 @@ class Corpus:
     heldout_files: tuple[Path, ...]
 
 
-def prepare_corpus(config: RecipeConfig) -> Corpus:
-    """Find and split the stdlib, train the tokenizer on the train split, encode both splits."""
+def prepare_corpus(config: RecipeConfig, tokenizer: PreTrainedTokenizerFast | None = None
+                   ) -> Corpus:
+    """Find and split the stdlib, train the tokenizer on the train split (unless one is given:
+    a trained target's), encode both splits."""
     root = stdlib_dir()
     train_files, heldout_files = split_corpus(find_corpus(root), config.heldout_fraction, root)
-    tokenizer = train_tokenizer(train_files, config.vocab_size)
+    if tokenizer is None:
+        tokenizer = train_tokenizer(train_files, config.vocab_size)
     return Corpus(
         tokenizer=tokenizer,
         train_ids=encode_files(tokenizer, train_files),
@@ -52,24 +55,33 @@ def prepare_corpus(config: RecipeConfig) -> Corpus:
     )
 
 
-def build_demo(out_dir: Path, config: RecipeConfig, progress: Progress | None = None) -> dict:
+def build_demo(out_dir: Path, config: RecipeConfig, progress: Progress | None = None,
+               target_checkpoint: Path | None = None) -> dict:
     """Train the demo pair and write it to out_dir, then return the report it also writes.
 
     Writes out_dir/target/ and out_dir/draft/ (Hugging Face checkpoints sharing one tokenizer)
-    and out_dir/training_report.json. Takes target_minutes + draft_minutes plus about a minute
-    for data and evaluation. progress, if given, receives one short line per event.
+    and out_dir/training_report.json. Takes target_minutes + draft_minutes plus about ten
+    minutes for data, the target's pass for distillation and evaluation. progress, if given,
+    receives one short line per event. target_checkpoint: a target trained before (its
+    tokenizer and weights; the report keeps its training figures), so only the draft is made.
     """
     report = progress or _ignore
     seconds: dict[str, float] = {}
+    earlier = _earlier_target(target_checkpoint) if target_checkpoint else None
     report(f"data: tokenizing the Python {platform.python_version()} standard library")
     with _stopwatch(seconds, "data"):
-        corpus = prepare_corpus(config)
+        corpus = prepare_corpus(config, earlier[1] if earlier else None)
     report(
         f"data: {len(corpus.train_ids):,} train and {len(corpus.heldout_ids):,} held-out tokens"
     )
-    target, target_stats = train_target(corpus.train_ids, corpus.tokenizer, config, progress)
+    if earlier:
+        target, _, target_stats = earlier
+        report(f"target: reusing {target_checkpoint}")
+    else:
+        target, target_stats = train_target(corpus.train_ids, corpus.tokenizer, config, progress)
     draft, draft_stats = distill_draft(target, corpus.train_ids, corpus.tokenizer, config, progress)
-    seconds.update(target=target_stats.seconds, draft=draft_stats.seconds)
+    seconds.update(target=target_stats.seconds, draft=draft_stats.seconds,
+                   distill_targets=draft_stats.setup_seconds)
     report("evaluate: scoring both models on the held-out split")
     with _stopwatch(seconds, "evaluate"):
         evaluation = evaluate(target, draft, corpus.heldout_ids, config)
@@ -92,12 +104,30 @@ def build_demo(out_dir: Path, config: RecipeConfig, progress: Progress | None = 
     return training_report
 
 
+def _earlier_target(folder: Path) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast, PhaseStats]:
+    """A trained target checkpoint, its tokenizer, and its training figures from the report
+    next to it (``training_report.json`` in its parent folder, as build_demo writes it)."""
+    target = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    report_path = folder.parent / REPORT_NAME
+    earlier = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    trained = earlier.get("target", {})
+    stats = PhaseStats(
+        steps=trained.get("steps", 0),
+        tokens=trained.get("tokens_seen", 0),
+        seconds=earlier.get("seconds", {}).get("target", 0.0),
+        train_loss=trained.get("train_loss", float("nan")),
+    )
+    return target, tokenizer, stats
+
+
 def write_prompts(path: Path, prompts: Sequence[str]) -> None:
     """JSON Lines, one prompt string a line (the format ``edgespec bench --prompts`` reads)."""
     path.write_text("".join(json.dumps(prompt) + "\n" for prompt in prompts))
 
 
-def build_demo_package(out: Path, config: RecipeConfig, progress: Progress | None = None) -> dict:
+def build_demo_package(out: Path, config: RecipeConfig, progress: Progress | None = None,
+                       target_checkpoint: Path | None = None) -> dict:
     """The whole recipe: train the pair, then export it with ``edgespec export``.
 
     Writes out/checkpoints/{target,draft} (Hugging Face, float16) and out/package (the edgespec
@@ -105,7 +135,7 @@ def build_demo_package(out: Path, config: RecipeConfig, progress: Progress | Non
     any step fails or is interrupted.
     """
     with atomic_folder(out) as tmp:
-        training_report = build_demo(tmp / "checkpoints", config, progress)
+        training_report = build_demo(tmp / "checkpoints", config, progress, target_checkpoint)
         package_demo(tmp / "checkpoints", tmp / "package", progress)
     return training_report
 

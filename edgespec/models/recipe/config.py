@@ -64,6 +64,7 @@ class RecipeConfig:
     warmup_fraction: float = 0.05
     weight_decay: float = 0.1
     hard_loss_weight: float = 0.0  # draft loss = (1 - w) KL(p || q) + w cross-entropy
+    distill_top_k: int = 64  # the target's likeliest tokens kept per position (distill.py)
     target_minutes: float = 72.0
     draft_minutes: float = 14.0
     heldout_fraction: float = 0.05
@@ -78,6 +79,10 @@ class RecipeConfig:
             self.context_length >= 2, f"context_length must be >= 2, got {self.context_length}"
         )
         _require(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
+        _require(
+            1 <= self.distill_top_k <= self.vocab_size,
+            f"distill_top_k must be in 1..vocab_size, got {self.distill_top_k}",
+        )
         for name in ("target_lr", "draft_lr", "target_minutes", "draft_minutes"):
             _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         _require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")

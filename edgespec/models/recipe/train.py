@@ -4,13 +4,14 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from edgespec.models.recipe.config import RecipeConfig
+from edgespec.models.recipe.distill import sparse_kl, teacher_targets
 from edgespec.models.recipe.model import new_model
 
 Progress = Callable[[str], None]
@@ -28,6 +29,7 @@ class PhaseStats:
     tokens: int
     seconds: float
     train_loss: float  # mean training loss over the last tenth of the steps
+    setup_seconds: float = 0.0  # before the budget started (the draft: the target's pass)
 
 
 def train_target(
@@ -42,10 +44,13 @@ def train_target(
     def loss_fn(windows: torch.Tensor) -> torch.Tensor:
         return _next_token_loss(target(windows[:, :-1]).logits, windows)
 
+    def sample(generator: torch.Generator) -> torch.Tensor:
+        return _random_windows(train_ids, config.batch_size, config.context_length, generator)
+
     stats = _train(
         target,
         loss_fn,
-        train_ids,
+        sample,
         config,
         phase="target",
         peak_lr=config.target_lr,
@@ -62,36 +67,42 @@ def distill_draft(
     config: RecipeConfig,
     progress: Progress | None = None,
 ) -> tuple[LlamaForCausalLM, PhaseStats]:
-    """Distil a draft from the target for ``config.draft_minutes``.
+    """Distil a draft from the target for ``config.draft_minutes`` (distill.py).
 
-    The loss is (1 - w) * KL(p || q) + w * next-token cross-entropy of q, w = hard_loss_weight,
-    with p the target's distribution at temperature 1 (Hinton et al., 2015, "Distilling the
-    Knowledge in a Neural Network"). Minimising KL(p || q) raises sum_x min(p, q), the rate at
-    which speculative decoding accepts the draft's tokens.
+    The target runs once over the training stream and its top ``distill_top_k`` log-
+    probabilities are kept (not counted in the budget); the draft then trains on those windows,
+    shuffled, minimising (1 - w) * KL(p || q) + w * next-token cross-entropy of q,
+    w = hard_loss_weight, with p the target's distribution at temperature 1 (Hinton et al.,
+    2015, "Distilling the Knowledge in a Neural Network"). Minimising KL(p || q) raises
+    sum_x min(p, q), the rate at which speculative decoding accepts the draft's tokens.
     """
+    targets = teacher_targets(target, train_ids, config.context_length, config.distill_top_k,
+                              progress)
     draft = new_model(config.draft, tokenizer, config)
-    target.eval()
 
-    def loss_fn(windows: torch.Tensor) -> torch.Tensor:
-        inputs = windows[:, :-1]
-        with torch.no_grad():
-            p_logits = target(inputs).logits  # [B, T, V]
-        q_logits = draft(inputs).logits  # [B, T, V]
-        soft = _kl_p_q(p_logits, q_logits)
+    def loss_fn(index: torch.Tensor) -> torch.Tensor:
+        windows = targets.windows[index]
+        q_logits = draft(windows[:, :-1]).logits  # [B, T, V]
+        soft = sparse_kl(q_logits, targets.top_ids[index], targets.top_logp[index])
+        if not config.hard_loss_weight:
+            return soft
         hard = _next_token_loss(q_logits, windows)
         return (1 - config.hard_loss_weight) * soft + config.hard_loss_weight * hard
+
+    def sample(generator: torch.Generator) -> torch.Tensor:
+        return torch.randint(0, len(targets), (config.batch_size,), generator=generator)
 
     stats = _train(
         draft,
         loss_fn,
-        train_ids,
+        sample,
         config,
         phase="draft",
         peak_lr=config.draft_lr,
         minutes=config.draft_minutes,
         progress=progress,
     )
-    return draft, stats
+    return draft, replace(stats, setup_seconds=targets.seconds)
 
 
 def _next_token_loss(logits: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
@@ -99,17 +110,10 @@ def _next_token_loss(logits: torch.Tensor, windows: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten())
 
 
-def _kl_p_q(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of KL(p || q) = sum_x p(x) (log p(x) - log q(x)); logits [B, T, V]."""
-    log_p = F.log_softmax(p_logits.flatten(0, 1).float(), dim=-1)
-    log_q = F.log_softmax(q_logits.flatten(0, 1).float(), dim=-1)
-    return F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
-
-
 def _train(
     model: LlamaForCausalLM,
     loss_fn: Callable[[torch.Tensor], torch.Tensor],
-    stream: torch.Tensor,
+    sample: Callable[[torch.Generator], torch.Tensor],
     config: RecipeConfig,
     *,
     phase: str,
@@ -117,7 +121,7 @@ def _train(
     minutes: float,
     progress: Progress | None,
 ) -> PhaseStats:
-    """Minimise loss_fn on random windows [B, T+1] of stream until the time budget is spent.
+    """Minimise loss_fn on batches from ``sample`` until the time budget is spent.
 
     AdamW with linear warmup then cosine decay to zero, both measured in fractions of the budget;
     bf16 autocast, which about doubles training speed on CPU. Reports every tenth of the budget
@@ -137,8 +141,7 @@ def _train(
     start = last_report = time.perf_counter()
     while (elapsed := time.perf_counter() - start) < budget:
         lr = _learning_rate(elapsed / budget, peak_lr, config.warmup_fraction)
-        windows = _random_windows(stream, config.batch_size, config.context_length, generator)
-        losses.append(_step(model, optimizer, loss_fn, windows, lr))
+        losses.append(_step(model, optimizer, loss_fn, sample(generator), lr))
         if (now := time.perf_counter()) - last_report >= budget / _REPORTS_PER_PHASE:
             rate = (len(losses) - reported) * tokens_per_step / (now - last_report)
             report(
@@ -197,14 +200,14 @@ def _step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     loss_fn: Callable[[torch.Tensor], torch.Tensor],
-    windows: torch.Tensor,
+    batch: torch.Tensor,
     lr: float,
 ) -> float:
     """One optimiser step at learning rate lr; returns the loss."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = loss_fn(windows)
+        loss = loss_fn(batch)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), _MAX_GRAD_NORM)
