@@ -92,6 +92,11 @@ def make_checkpoint(name: str, out: Path, seed: int = 0) -> Path:
 
 # --- what is run -------------------------------------------------------------------------------
 
+# export flags per variant: int4 / int8 let export pick the target's compute and run shape
+# (export/runs.py); -float and -int8 fix the compute (-float: as before that choice existed)
+VARIANT_FLAGS = {"fp32": [], "int8": ["--quantize", "int8"], "int4": ["--quantize", "int4"],
+                 "int4-float": ["--quantize", "int4", "--target-compute", "float"],
+                 "int4-int8": ["--quantize", "int4", "--target-compute", "int8"]}
 SELF_VARIANT = "fp32+int4"  # self-speculation: the target fp32, the same checkpoint int4 as draft
 ALPHAS = (0.6, 0.7, 0.8)
 KMAX = 8  # k = 1..KMAX drafted tokens per round; the target is timed on 1..KMAX+1 tokens
@@ -246,8 +251,7 @@ def export(pair: Pair, variant: str, checkpoints: dict[str, Path], folder: Path,
     command = [sys.executable, "-m", "edgespec", "export", "--target",
                str(checkpoints[pair.target]), "--draft", str(checkpoints[pair.draft]),
                "--out", str(folder), "--overwrite", "--validate", args.validate]
-    if variant != "fp32":
-        command += ["--quantize", variant]
+    command += VARIANT_FLAGS[variant]
     record_path = folder.with_name(folder.name + ".export.json")
     if not args.reexport and record_path.is_file() and (folder / "edgespec.json").is_file():
         record = json.loads(record_path.read_text())
@@ -743,7 +747,7 @@ def main(argv: list[str]) -> None:
                        help="DRAFT:TARGET, or NAME for self-speculation (fp32 target, int4 "
                             "draft), comma-separated (default: %(default)s)")
     bench.add_argument("--variants", default="fp32,int4",
-                       help="comma list of fp32, int8, int4 (default: %(default)s)")
+                       help="comma list of " + ", ".join(VARIANT_FLAGS) + " (default: %(default)s)")
     bench.add_argument("--checkpoints", type=Path, default=Path("build/shapes"),
                        help="folder of checkpoints named as in SHAPES (default: %(default)s)")
     bench.add_argument("--make", action="store_true", help="make missing checkpoints")
@@ -777,8 +781,8 @@ def main(argv: list[str]) -> None:
         measure_command(args)
     else:
         args.variants = [v for v in args.variants.split(",") if v]
-        if not args.variants or set(args.variants) - {"fp32", "int8", "int4"}:
-            sys.exit(f"error: --variants takes fp32, int8, int4; got {args.variants}")
+        if not args.variants or set(args.variants) - set(VARIANT_FLAGS):
+            sys.exit(f"error: --variants takes {', '.join(VARIANT_FLAGS)}; got {args.variants}")
         if min(args.repeats, args.steps) < 1 or args.sampling_repeats < 0:
             sys.exit("error: --repeats and --steps must be >= 1, --sampling-repeats >= 0")
         if args.sampling_tokens < 0 or args.sampling_tokens == 1:

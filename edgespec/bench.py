@@ -19,7 +19,6 @@ from pathlib import Path
 
 from edgespec.config import DRAFTERS, SCHEDULES, GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError, EdgespecError
-from edgespec.manifest import PROMPTS_NAME
 from edgespec.runtime.drafters import resolve_drafter
 from edgespec.runtime.machine import describe, machine_info
 from edgespec.runtime.pipeline import Pipeline

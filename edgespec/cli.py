@@ -186,13 +186,25 @@ def main() -> None:
               default="same", show_default=True,
               help="The draft's own quantization (its precision changes speed, never the "
                    "output): none keeps it at --dtype.")
+@click.option("--target-compute", type=click.Choice(["auto", "float", "int8"]), default="auto",
+              show_default=True,
+              help="What a quantized target's MatMuls compute in; auto measures both on this "
+                   "machine, with every run shaped so that greedy output stays token-identical.")
+@click.option("--draft-vocab", type=click.IntRange(1),
+              help="The draft scores only this many tokens, the most frequent in "
+                   "--draft-vocab-text (FR-Spec): a cheaper draft step, the same output.")
+@click.option("--draft-vocab-text", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              multiple=True,
+              help="Calibration text for --draft-vocab (repeatable; without it: the lowest ids, "
+                   "a BPE vocabulary's merge order).")
 @click.option("--validate", "validation", type=click.Choice(EXPORT_VALIDATIONS),
               default="strict", show_default=True,
               help="strict: a graph that fails validation stops the export; report: write the "
                    "package anyway and record the figures; skip: no validation.")
 @_user_errors
 def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: str, dtype: str,
-           quantize: str | None, draft_quantize: str, validation: str) -> None:
+           quantize: str | None, draft_quantize: str, target_compute: str,
+           draft_vocab: int | None, draft_vocab_text: tuple[Path, ...], validation: str) -> None:
     """Export a target/draft pair, or a target alone, to one ONNX package (needs
     edgespec[export])."""
     exporter = _needs_export_extra("edgespec.export")
@@ -200,7 +212,8 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
                                     progress=lambda line: click.echo(line, err=True),
                                     validation=validation,
                                     draft_quantize=None if draft_quantize == "none" else
-                                    draft_quantize)
+                                    draft_quantize, target_compute=target_compute,
+                                    draft_vocab=draft_vocab, draft_vocab_texts=draft_vocab_text)
     draft_size = (f"draft {manifest.draft.parameters / 1e6:.1f}M" if manifest.draft
                   else "no draft (target only: n-gram drafting)")
     click.echo(

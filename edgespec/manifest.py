@@ -27,6 +27,7 @@ PACKAGE_ENTRIES = frozenset(
 GRAPHS = ("optimum", "fused")  # optimum's exporter; edgespec's own (export/fused.py)
 DTYPES = ("float32", "float16")  # what a graph computes in
 QUANTIZATIONS = (None, "int8", "int4")
+COMPUTES = ("float", "int8")  # what quantized MatMuls compute in
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,14 @@ class ModelSpec:
     stored: dict = field(default_factory=dict)  # float weights per stored type (bfloat16: cast
     # to float32 at load, losslessly)
     quantization: str | None = None  # "int8" / "int4": block-wise weight-only MatMulNBits
+    compute: str = "float"  # what quantized MatMuls compute in: "float", or "int8" (int8
+    # activations, integer dot products: MatMulNBits accuracy_level 4)
+    min_run_tokens: int = 1  # every run feeds at least this many tokens: a lone token gets
+    # throw-away ones after it (dropped from the cache), so that every row comes from one kernel
     parameters: int = 0
     validation: dict = field(default_factory=dict)
+    token_ids: str | None = None  # a draft scoring a subset of the vocabulary (FR-Spec): the
+    # .npy file of the ids its logits' columns stand for, ascending; None: every id, in order
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,8 @@ class Manifest:
         """What no single field shows: ids inside the shared vocabulary, which both graphs'
         logits cover, and one KV output for every KV input."""
         for role, spec in self.models.items():
+            if role == "draft" and spec.token_ids is not None:
+                continue  # its columns are a subset; their ids are checked when loaded
             if spec.vocab_size < self.vocab_size:
                 _refuse(path, f"{role}.vocab_size", spec.vocab_size,
                         f"at least the shared vocab_size {self.vocab_size}")
@@ -144,6 +153,7 @@ class Manifest:
         package cannot make edgespec load a model or tokenizer from elsewhere."""
         root = folder.resolve()
         named = {**{f"{role}.path": spec.path for role, spec in self.models.items()},
+                 **{f"{role}.token_ids": spec.token_ids for role, spec in self.models.items()},
                  "tokenizer": self.tokenizer, "chat_template": self.chat_template}
         for name, relative in named.items():
             if relative is None:  # an optional file the package does not have
@@ -193,8 +203,11 @@ SPEC_FIELDS: dict[str, Check] = {
     "stored": ("a JSON object of counts (string: integer >= 0)",
                lambda v: isinstance(v, dict) and all(_SIZE[1](n) for n in v.values())),
     "quantization": _one_of(QUANTIZATIONS),
+    "compute": _one_of(COMPUTES),
+    "min_run_tokens": ("an integer from 1 to 16", lambda v: _is_int(v) and 1 <= v <= 16),
     "parameters": _SIZE,
     "validation": _OBJECT,
+    "token_ids": ("null or a path inside the package folder", lambda v: v is None or _PATH[1](v)),
 }
 MANIFEST_FIELDS: dict[str, Check] = {
     "target": _OBJECT,

@@ -131,6 +131,11 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
         # tiny vocabulary, peaked random distributions: target and draft differ a lot
         "words_target": _save(llama(len(words), 32, 2, seed=6, init=0.3), words, root / "wt"),
         "words_draft": _save(llama(len(words), 16, 1, seed=7, init=0.3), words, root / "wd"),
+        # the same, with heads of 16 (edgespec's fused graph, which a subset draft needs)
+        "words_target_fused": _save(llama(len(words), 64, 2, seed=6, init=0.2), words,
+                                    root / "wtf"),
+        "words_draft_fused": _save(llama(len(words), 64, 1, seed=7, init=0.2), words,
+                                   root / "wdf"),
     }
 
 

@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from stats_check import ALPHA, fit_pvalue
-from test_fast_sampling import (
+from fakes import (
     SAMPLED,
     RandomSchedule,
     exact_joint,
+    fake_drafter,
     fake_pair,
     keep_every_draft_token,
     replace_rejected_from_p,
 )
+from stats_check import ALPHA, fit_pvalue
 
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError
@@ -113,17 +114,18 @@ def ngram_decode(config: GenerationConfig, schedule, prompt=PROMPT, vocab=12):
     target, _ = fake_pair(vocab)
     stats = GenerationStats(speculative=config.drafter != "none")
     committed = list(prompt)
-    for new in decode(target, None, list(prompt), config, schedule, 64, set(), stats):
+    for new in decode(target, fake_drafter(None, config, stats, prompt), list(prompt), config,
+                      schedule, 64, set(), stats):
         committed += new
         assert target.caches[-1].tokens == committed[:-1]
     return committed[len(prompt) :], stats
 
 
-SCHEDULES = {
+KEYED_SCHEDULES = {  # every round drafts (k >= 1): every position drawn from (p, q, u)
     **{f"k={k}": lambda k=k: FixedSchedule(k) for k in (1, 2, 4, 8)},
     "heuristic": lambda: HeuristicSchedule(2),
-    "random, with k = 0": lambda: RandomSchedule(3),
 }
+SCHEDULES = {**KEYED_SCHEDULES, "random, with k = 0": lambda: RandomSchedule(3)}
 
 
 @pytest.mark.parametrize("setting", SAMPLED)
@@ -131,7 +133,7 @@ def test_ngram_text_depends_on_the_seed_not_on_the_draft_lengths(setting):
     for seed in range(4):
         config = GenerationConfig(max_new_tokens=30, sampling=SAMPLED[setting], seed=seed,
                                   drafter="ngram")
-        runs = {name: ngram_decode(config, make()) for name, make in SCHEDULES.items()}
+        runs = {name: ngram_decode(config, make()) for name, make in KEYED_SCHEDULES.items()}
         texts = {name: tuple(text) for name, (text, _) in runs.items()}
         assert len(set(texts.values())) == 1, texts
         assert runs["k=4"][1].accepted > 0 and runs["k=4"][1].rejected > 0
@@ -168,7 +170,8 @@ def test_the_same_text_check_fails_for_a_drafter_that_copies_on_from_one_match(m
     for seed in range(4):
         config = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(1.0), seed=seed,
                                   drafter="ngram")
-        texts = {tuple(ngram_decode(config, make(), vocab=4)[0]) for make in SCHEDULES.values()}
+        texts = {tuple(ngram_decode(config, make(), vocab=4)[0])
+                 for make in KEYED_SCHEDULES.values()}
         differs.append(len(texts) > 1)
     assert any(differs)
 

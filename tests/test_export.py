@@ -326,7 +326,9 @@ def test_the_lossy_gate_measures_distributions_and_report_mode_writes_anyway(che
     assert manifest.target.validation["failures"] and any("--validate report" in l for l in lines)
     skipped = export_pair(checkpoints["llama_target"], checkpoints["llama_noisy"], tmp_path / "s",
                           validation="skip")
-    assert skipped.target.validation == {"variant": "fp32", "skipped": True}
+    assert {k: skipped.target.validation[k] for k in ("variant", "skipped")} == {
+        "variant": "fp32", "skipped": True}
+    assert "runs" in skipped.target.validation  # the target's runs are shaped all the same
 
 
 def test_distribution_figures_follow_their_definitions():
@@ -409,18 +411,21 @@ def test_a_quantized_draft_beside_an_exact_target_keeps_greedy_output(checkpoint
                     draft_quantize="int3")
 
 
-def test_quantized_drafts_compute_in_int8_and_targets_in_float(checkpoints, tmp_path):
-    """accuracy_level 4 (int8 activations) for the draft's MatMulNBits only: a target's rows
-    must not depend on how many tokens share its run (precision.py)."""
+def test_quantized_drafts_compute_in_int8_and_targets_as_export_chose(checkpoints, tmp_path):
+    """accuracy_level 4 (int8 activations) for the draft's MatMulNBits; the target's as its
+    manifest says, int8 only with runs of two tokens or more (export/runs.py)."""
     import onnx
 
-    export_pair(checkpoints["llama_target"], checkpoints["llama_noisy"], tmp_path / "p",
-                quantize="int8", validation="skip")
-    for role, level in (("target", None), ("draft", INT8_COMPUTE)):
+    manifest = export_pair(checkpoints["llama_target"], checkpoints["llama_noisy"],
+                           tmp_path / "p", quantize="int8", validation="skip")
+    target_level = INT8_COMPUTE if manifest.target.compute == "int8" else None
+    for role, level in (("target", target_level), ("draft", INT8_COMPUTE)):
         graph = onnx.load(tmp_path / "p" / role / "model.onnx", load_external_data=False).graph
         levels = {next((a.i for a in n.attribute if a.name == "accuracy_level"), None)
                   for n in graph.node if n.op_type == "MatMulNBits"}
         assert levels == {level}, role
+    assert manifest.draft.compute == "int8"
+    assert manifest.target.compute == "float" or manifest.target.min_run_tokens == 2
 
 
 def test_a_tied_int4_table_is_stored_once_and_read_by_both_ends(tmp_path):

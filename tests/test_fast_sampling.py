@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import itertools
 from dataclasses import replace
 
 import numpy as np
@@ -17,6 +16,16 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+from fakes import (
+    SAMPLED,
+    PrefixSession,
+    RandomSchedule,
+    exact_joint,
+    fake_decode,
+    fake_pair,
+    keep_every_draft_token,
+    replace_rejected_from_p,
+)
 from stats_check import ALPHA, fit_pvalue
 
 from edgespec.config import GenerationConfig, SamplingConfig
@@ -33,8 +42,6 @@ from edgespec.runtime.sampling import (
     verify_sampled,
 )
 from edgespec.runtime.schedule import FixedSchedule, HeuristicSchedule
-from edgespec.runtime.speculative import decode
-from edgespec.runtime.stats import GenerationStats
 
 # The fast path works in float32: probabilities agree with the float64 reference to this, and a
 # nucleus boundary whose mass lies this close to top_p may fall on either side.
@@ -373,82 +380,6 @@ def test_the_nucleus_rule_is_strict_and_keeps_ties():
 # The loop on NumPy fake sessions: logits are a function of the token prefix
 
 
-class FakeCache:
-    def __init__(self):
-        self.tokens: list[int] = []
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-    def crop(self, length: int) -> None:
-        assert 0 <= length <= self.length
-        del self.tokens[length:]
-
-
-class PrefixSession:
-    """Logits ``[n, V]`` drawn from a generator seeded by the prefix: a deterministic "model"."""
-
-    def __init__(self, vocab: int, scale: float, salt: int, like: PrefixSession | None = None):
-        self.vocab, self.scale, self.salt, self.like = vocab, scale, salt, like
-        self.caches: list[FakeCache] = []
-
-    def new_cache(self, positions: int | None = None) -> FakeCache:
-        self.caches.append(FakeCache())
-        return self.caches[-1]
-
-    def row(self, prefix: tuple[int, ...]) -> np.ndarray:
-        rng = np.random.default_rng([self.salt, len(prefix), *prefix])
-        own = rng.standard_normal(self.vocab) * self.scale
-        base = self.like.row(prefix) if self.like else 0.0  # a draft near its target
-        return (base + own).astype(np.float32)
-
-    def forward(self, tokens: np.ndarray, cache: FakeCache) -> np.ndarray:
-        rows = []
-        for t in tokens.tolist():
-            cache.tokens.append(t)
-            rows.append(self.row(tuple(cache.tokens)))
-        return np.stack(rows)
-
-
-class RandomSchedule:
-    """k drawn at random in 0..4 each round, 0 included (a target step inside a speculative run)."""
-
-    def __init__(self, seed: int):
-        self.rng = np.random.default_rng(seed)
-
-    def next_k(self) -> int:
-        return int(self.rng.integers(0, 5))
-
-    def update(self, k: int, n_accepted: int) -> None:
-        pass
-
-
-def fake_decode(target, draft, config: GenerationConfig, schedule, prompt=(1, 2)) -> list[int]:
-    """decode() on fake sessions, checking both caches after every round."""
-    stats = GenerationStats(speculative=draft is not None)
-    committed = list(prompt)
-    for new in decode(target, draft, list(prompt), config, schedule, 64, set(), stats):
-        committed += new
-        assert target.caches[-1].tokens == committed[:-1]
-        if draft is not None:  # the draft covers a prefix of committed[:-1]
-            covered = draft.caches[-1].tokens
-            assert len(covered) < len(committed) and covered == committed[: len(covered)]
-    return committed[len(prompt) :]
-
-
-def fake_pair(vocab=12):
-    target = PrefixSession(vocab, scale=1.5, salt=1)
-    return target, PrefixSession(vocab, scale=1.0, salt=2, like=target)
-
-
-SAMPLED = {
-    "T=1": SamplingConfig(1.0),
-    "T=0.7 top-p 0.8": SamplingConfig(0.7, top_p=0.8),
-    "T=1.2 top-k 4": SamplingConfig(1.2, top_k=4),
-}
-
-
 @pytest.mark.parametrize("setting", SAMPLED)
 def test_the_text_depends_on_the_seed_not_on_the_draft_lengths(setting):
     for seed in range(4):
@@ -458,12 +389,34 @@ def test_the_text_depends_on_the_seed_not_on_the_draft_lengths(setting):
             for name, schedule in {
                 **{f"k={k}": FixedSchedule(k) for k in (1, 2, 3, 5, 8)},
                 "heuristic": HeuristicSchedule(2),
-                "random, with k = 0": RandomSchedule(seed),
             }.items()
         }
         assert len({tuple(t) for t in texts.values()}) == 1, texts
     other = replace(config, seed=99)
     assert fake_decode(*fake_pair(), other, FixedSchedule(2)) != texts["k=1"]
+
+
+class CountingSession(PrefixSession):
+    """A PrefixSession that counts the tokens it was run on."""
+
+    fed = 0
+
+    def forward(self, tokens: np.ndarray, cache) -> np.ndarray:
+        self.fed += len(tokens)
+        return super().forward(tokens, cache)
+
+
+@pytest.mark.parametrize("setting", SAMPLED)
+def test_drafting_off_is_one_target_step_and_the_target_only_text(setting):
+    """k = 0 rounds never run the draft (after its prefill) and draw from p alone, with the
+    position's first uniform: the same text as target-only decoding with the same seed."""
+    for seed in range(4):
+        config = GenerationConfig(max_new_tokens=24, sampling=SAMPLED[setting], seed=seed)
+        target, _ = fake_pair()
+        draft = CountingSession(12, scale=1.0, salt=2, like=target)
+        off = fake_decode(target, draft, config, FixedSchedule(0), prompt=(1, 2))
+        assert draft.fed == 1  # the prompt's first token, at prefill; nothing in the rounds
+        assert off == fake_decode(fake_pair()[0], None, config, FixedSchedule(0))
 
 
 def test_greedy_on_fake_sessions_is_the_target_argmax_whatever_k():
@@ -476,48 +429,32 @@ def test_greedy_on_fake_sessions_is_the_target_argmax_whatever_k():
 N_LOOP = 2000  # generations per check (about 1 s); wrong draws score p < 1e-20
 
 
-def exact_joint(target, sampling_config: SamplingConfig, prompt: tuple, vocab: int,
-                length: int) -> dict[tuple, float]:
-    """The target's exact probability of every continuation of ``prompt`` of ``length`` tokens
-    (the reference's p, prefix by prefix)."""
-    def p(prefix) -> np.ndarray:
-        return process_logits(target.row(prefix)[None], sampling_config)[0]
-
-    expected = {}
-    for seq in itertools.product(range(vocab), repeat=length):
-        prefixes = [(*prompt, *seq[:i]) for i in range(length)]
-        expected[seq] = float(np.prod([p(pre)[t] for pre, t in zip(prefixes, seq)]))
-    return expected
-
-
-def first_tokens_pvalue(n_samples: int, sampling_config: SamplingConfig, k: int) -> float:
+def first_tokens_pvalue(n_samples: int, sampling_config: SamplingConfig, k: int,
+                        random_k: bool = False) -> float:
     """Chi-square of the first 3 tokens of speculative decoding on fake sessions against the
-    target's exact joint distribution (the reference's p, prefix by prefix)."""
+    target's exact joint distribution (the reference's p, prefix by prefix). ``random_k``:
+    each round's k drawn from 0..4 (drafting switched off and on), else k fixed."""
     target, draft = fake_pair(vocab=4)
     prompt = (1, 2)
     expected = exact_joint(target, sampling_config, prompt, vocab=4, length=3)
     samples = []
     for seed in range(n_samples):
         config = GenerationConfig(max_new_tokens=3, sampling=sampling_config, seed=seed, gamma=k)
-        samples.append(tuple(fake_decode(target, draft, config, FixedSchedule(k), prompt)))
+        schedule = RandomSchedule(seed) if random_k else FixedSchedule(k)
+        samples.append(tuple(fake_decode(target, draft, config, schedule, prompt)))
     return fit_pvalue(samples, expected)
 
 
 @pytest.mark.parametrize("setting", SAMPLED)
 def test_the_loop_emits_the_targets_distribution(setting):
-    # One k is enough: the same seeds give the same tokens whatever k (test above).
+    # One k >= 1 is enough: the same seeds give the same tokens whatever k >= 1 (test above).
     assert first_tokens_pvalue(N_LOOP, SAMPLED[setting], k=2) > ALPHA
 
 
-def keep_every_draft_token(x, p, q, u):
-    """Wrong: no acceptance test, so the output follows q."""
-    return True, x
-
-
-def replace_rejected_from_p(x, p, q, u):
-    """Wrong: the right test, but a rejected draft token is replaced by a draw from p."""
-    px, qx = p.prob(x), q.prob(x)
-    return (True, x) if qx <= px or u[1] * qx < px else (False, p.draw(u[2]))
+def test_the_loop_emits_the_targets_distribution_with_drafting_switched_on_and_off():
+    """k = 0 rounds draw from p and k >= 1 rounds from the draft's proposals, position by
+    position in one generation: still the target's distribution."""
+    assert first_tokens_pvalue(N_LOOP, SAMPLED["T=1"], k=4, random_k=True) > ALPHA
 
 
 @pytest.mark.parametrize("wrong", [keep_every_draft_token, replace_rejected_from_p])

@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from helpers import PROMPTS, texts_by_schedule
 from stats_check import ALPHA, fit_pvalue
-from test_speculative import PROMPTS, texts_by_schedule
 
 import edgespec
 from edgespec.cli import main
@@ -20,6 +20,7 @@ from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError
 from edgespec.models import demo_package
 from edgespec.runtime import pipeline, speculative
+from edgespec.runtime.drafters import make_drafter
 from edgespec.runtime.healing import PrefixIndex, token_texts
 from edgespec.runtime.sampling import process_logits, process_row
 from edgespec.runtime.schedule import FixedSchedule
@@ -235,8 +236,10 @@ def test_healing_off_is_the_loop_without_a_constrained_step(pipes):
         ids = pipe.encode(prompt)
         config = GenerationConfig(max_new_tokens=24, gamma=3, schedule="fixed")
         stats = GenerationStats(speculative=True)
+        drafter = make_drafter("model", pipe.draft, config, stats,
+                               speculative.request_positions(len(ids), config))
         direct = [t for new in speculative.decode(
-            pipe.target, pipe.draft, ids, config, FixedSchedule(3), pipe.manifest.max_positions,
+            pipe.target, drafter, ids, config, FixedSchedule(3), pipe.manifest.max_positions,
             set(pipe.manifest.eos_token_ids), stats) for t in new]
         off = pipe.generate(prompt, config, token_healing=False)
         assert off.token_ids == direct

@@ -8,7 +8,13 @@ import json
 import pytest
 from click.testing import CliRunner
 from stats_check import ALPHA, fit_pvalue
-from test_speculative import PROMPTS, SAMPLED, exact_two_token_distribution
+from helpers import (
+    PROMPTS,
+    SAMPLED,
+    exact_two_token_distribution,
+    texts_by_schedule,
+    two_token_samples,
+)
 
 import edgespec
 from edgespec.cli import main
@@ -69,19 +75,11 @@ def test_greedy_ngram_output_equals_target_only_on_the_target_only_package(targe
                                                            use_draft=False).token_ids
 
 
-def texts_by_schedule(pipe, prompt: str, **settings) -> dict[str, list[int]]:
-    runs = {f"k={k}": pipe.generate(prompt, gamma=k, **settings) for k in (1, 2, 4, 8)}
-    runs["heuristic"] = pipe.generate(prompt, gamma=4, schedule="heuristic", **settings)
-    runs["adaptive"] = pipe.generate(prompt, gamma=8, schedule="adaptive", **settings)
-    assert runs["k=4"].stats.drafted > 0
-    return {name: r.token_ids for name, r in runs.items()}
-
-
 @pytest.mark.parametrize("setting", SAMPLED)
 @pytest.mark.parametrize("pair", ["llama", "gpt2"])
 def test_an_ngram_seed_gives_the_same_text_whatever_the_draft_lengths(pipes, pair, setting):
     pipe = pipes[pair]
-    for seed, prompt in enumerate(COPY_PROMPTS[:3] + PROMPTS[:1]):
+    for seed, prompt in enumerate(COPY_PROMPTS):
         settings = dict(max_new_tokens=40, seed=seed, ignore_eos=True, drafter="ngram",
                         **SAMPLED[setting])
         texts = texts_by_schedule(pipe, prompt, **settings)
@@ -89,33 +87,17 @@ def test_an_ngram_seed_gives_the_same_text_whatever_the_draft_lengths(pipes, pai
 
 
 # End-to-end distribution through the real sessions: the first two tokens after a prompt whose
-# last words occurred before, so the lookup proposes from the first position on.
+# last words occurred before, so the lookup proposes from the first position on. One setting
+# (T = 1); the others, on NumPy fake sessions (test_drafters.py).
 
 NGRAM_PROMPT = "a b c a b"
+T1 = SamplingConfig(1.0)
 
 
-def two_token_samples(pipe, sampling: SamplingConfig, n: int) -> tuple[list[tuple], int, int]:
-    samples, drafted, accepted = [], 0, 0
-    for seed in range(n):
-        result = pipe.generate(NGRAM_PROMPT, max_new_tokens=3, gamma=2, seed=seed,
-                               drafter="ngram", temperature=sampling.temperature,
-                               top_k=sampling.top_k, top_p=sampling.top_p)
-        samples.append(tuple(result.token_ids[:2]))
-        drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
-    return samples, drafted, accepted
-
-
-SETTINGS = {"temperature 1": SamplingConfig(1.0), "top-k 3": SamplingConfig(0.8, top_k=3)}
-
-
-@pytest.mark.parametrize("setting", SETTINGS)
-def test_ngram_sampling_matches_the_target_distribution(pipes, monkeypatch, setting):
-    import test_speculative
-
-    monkeypatch.setattr(test_speculative, "PROMPT", NGRAM_PROMPT)
-    sampling = SETTINGS[setting]
-    expected = exact_two_token_distribution(pipes["words"], sampling)
-    samples, drafted, accepted = two_token_samples(pipes["words"], sampling, n=3000)
+def test_ngram_sampling_matches_the_target_distribution(pipes):
+    expected = exact_two_token_distribution(pipes["words"], T1, NGRAM_PROMPT)
+    samples, drafted, accepted = two_token_samples(pipes["words"], T1, 3000, NGRAM_PROMPT,
+                                                   drafter="ngram")
     assert drafted >= 3000 and 0.05 * drafted < accepted < 0.95 * drafted
     assert fit_pvalue(samples, expected) > ALPHA
 
@@ -132,13 +114,9 @@ def residual_with_x(x, p, q, u):
 
 @pytest.mark.parametrize("wrong", [always_accept, residual_with_x])
 def test_the_ngram_distribution_check_rejects_a_wrong_rule(pipes, monkeypatch, wrong):
-    import test_speculative
-
-    monkeypatch.setattr(test_speculative, "PROMPT", NGRAM_PROMPT)
-    sampling = SETTINGS["temperature 1"]
-    expected = exact_two_token_distribution(pipes["words"], sampling)
+    expected = exact_two_token_distribution(pipes["words"], T1, NGRAM_PROMPT)
     monkeypatch.setattr(sampler, "accept_or_replace", wrong)
-    samples, _, _ = two_token_samples(pipes["words"], sampling, n=3000)
+    samples, _, _ = two_token_samples(pipes["words"], T1, 1500, NGRAM_PROMPT, drafter="ngram")
     assert fit_pvalue(samples, expected) < 1e-6
 
 

@@ -38,8 +38,18 @@ print(json.dumps(out))
 """
 
 
-def greedy_ids(python: Path | str, paths: list[str]) -> dict:
-    proc = subprocess.run([str(python), "-c", GREEDY_IDS, *paths], capture_output=True,
+# Run by both interpreters: are the target's rows bit-identical across runs of 2..9 tokens?
+ROWS_IDENTICAL = """
+import json, sys
+import edgespec
+from edgespec.runtime.runs import rows_identical
+print(json.dumps({path: rows_identical(edgespec.load(path, provider="cpu").target, trials=3)
+                  for path in sys.argv[1:]}))
+"""
+
+
+def greedy_ids(python: Path | str, paths: list[str], script: str = GREEDY_IDS) -> dict:
+    proc = subprocess.run([str(python), "-c", script, *paths], capture_output=True,
                           text=True, cwd=REPO / "tests")
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
@@ -87,3 +97,21 @@ def test_the_floor_onnxruntime_gives_the_same_greedy_tokens(floor_python, packag
     assert floor.pop("onnxruntime") == declared_floor()
     current.pop("onnxruntime")
     assert floor == current
+
+
+@pytest.mark.slow
+def test_the_floor_onnxruntime_gives_bit_identical_rows_from_two_tokens_on(
+        floor_python, packages, checkpoints, tmp_path):
+    """What padded target runs rely on (export/runs.py), in the oldest onnxruntime too: fp32
+    graphs (fused and optimum's) and an int4 target computing in int8; and greedy output with
+    and without drafting identical there."""
+    from edgespec.export import export_pair
+
+    int8 = tmp_path / "int4-int8"
+    export_pair(checkpoints["llama_target"], checkpoints["llama_noisy"], int8, quantize="int4",
+                target_compute="int8", validation="skip")
+    paths = [str(packages["llama"]), str(packages["gpt2"]), str(int8)]
+    for python in (floor_python, sys.executable):
+        assert all(greedy_ids(python, paths, ROWS_IDENTICAL).values()), python
+        ids = greedy_ids(python, [str(int8)])[str(int8)]  # [spec, alone] per prompt
+        assert ids[0] == ids[1] and ids[2] == ids[3]

@@ -19,11 +19,11 @@ def test_tokens_per_ms_follows_the_geometric_acceptance_model():
 
 
 def test_sampled_rounds_pay_for_the_extra_draft_run():
-    """Sampling runs the draft once more after a full acceptance (alpha^k) and in k = 0 rounds."""
+    """Sampling runs the draft once more after a full acceptance (alpha^k); a k = 0 round is a
+    target step and nothing else."""
     greedy, sampled = CHEAP_DRAFT.round_ms(2, 0.5), CHEAP_DRAFT.round_ms(2, 0.5, sampled=True)
     assert sampled - greedy == pytest.approx(CHEAP_DRAFT.draft_step_ms * 0.25)
-    assert CHEAP_DRAFT.round_ms(0, 0.5, sampled=True) == pytest.approx(
-        CHEAP_DRAFT.target_ms[0] + CHEAP_DRAFT.draft_step_ms)
+    assert CHEAP_DRAFT.round_ms(0, 0.5, sampled=True) == CHEAP_DRAFT.target_ms[0]
 
 
 def test_heuristic_grows_by_two_on_full_acceptance_and_shrinks_by_one():

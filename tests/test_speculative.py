@@ -6,22 +6,19 @@ import itertools
 
 import numpy as np
 import pytest
+from helpers import (
+    PROMPTS,
+    SAMPLED,
+    exact_two_token_distribution,
+    texts_by_schedule,
+    two_token_samples,
+)
 from stats_check import ALPHA, fit_pvalue
 
 import edgespec
 from edgespec.config import SamplingConfig
 from edgespec.runtime import sampling as sampler
 from edgespec.runtime import speculative
-from edgespec.runtime.sampling import process_logits
-
-PROMPTS = [
-    "def add(a, b):",
-    "The quick brown",
-    "Grüße aus Köln",
-    "import numpy as np\nx =",
-    "for i in range(10):\n    print(",
-]
-
 
 @pytest.fixture(scope="module")
 def pipes(packages):
@@ -91,23 +88,10 @@ def test_sampling_is_reproducible_with_a_seed(pipes):
     assert runs[0] == runs[1]
 
 
-SAMPLED = {"T=1": dict(temperature=1.0), "top-p": dict(temperature=0.7, top_p=0.9)}
-
-
-def texts_by_schedule(pipe, prompt: str, **settings) -> dict[str, list[int]]:
-    """Token ids of one generation per draft-length choice, same seed."""
-    runs = {f"k={k}": pipe.generate(prompt, gamma=k, schedule="fixed", **settings)
-            for k in (1, 2, 4, 8)}
-    runs["heuristic"] = pipe.generate(prompt, gamma=4, schedule="heuristic", **settings)
-    # on these tiny models adaptive mostly picks k = 0: target steps inside a speculative run
-    runs["adaptive"] = pipe.generate(prompt, gamma=8, schedule="adaptive", **settings)
-    return {name: r.token_ids for name, r in runs.items()}
-
-
 @pytest.mark.parametrize("setting", SAMPLED)
 @pytest.mark.parametrize("pair", ["llama_noisy", "gpt2"])
 def test_a_seed_gives_the_same_text_whatever_the_draft_lengths(pipes, pair, setting):
-    """Randomness is keyed by position: k, the schedule and k = 0 rounds change no token."""
+    """Randomness is keyed by position: k and a schedule that always drafts change no token."""
     pipe = pipes[pair]
     for seed, prompt in enumerate(PROMPTS[:3]):
         settings = dict(max_new_tokens=40, seed=seed, ignore_eos=True, **SAMPLED[setting])
@@ -132,72 +116,35 @@ def test_the_same_text_check_fails_for_a_sequential_random_stream(pipes, monkeyp
 # ---------------------------------------------------------------------------------------------
 # End-to-end distribution: the first two tokens of speculative sampling, through the real
 # sessions, must follow the target's exact joint distribution (computed from the target graph).
+# One setting here, per drafter (a draft model; the target alone): the sampler's settings
+# (top-k, top-p, temperatures) and the loop's other paths are checked on NumPy fake sessions
+# (test_fast_sampling.py), tens of thousands of generations in seconds.
 
 PROMPT = "a b c"
-SETTINGS = {
-    "temperature 1": SamplingConfig(temperature=1.0),
-    "top-k 3": SamplingConfig(temperature=0.8, top_k=3),
-    "top-p 0.7": SamplingConfig(temperature=1.2, top_p=0.7),
-}
-
-
-def exact_two_token_distribution(pipe, sampling: SamplingConfig) -> dict:
-    """P(t1, t2) = p(t1 | prompt) p(t2 | prompt, t1); an EOS first token ends the text."""
-    prompt = pipe.encode(PROMPT)
-    eos = set(pipe.manifest.eos_token_ids)
-
-    def p_next(ids: list[int]) -> np.ndarray:
-        logits = pipe.target.forward(np.array(ids), pipe.target.new_cache())[-1:]
-        return process_logits(logits, sampling)[0]
-
-    joint = {}
-    for t1, p1 in enumerate(p_next(prompt)):
-        if p1 == 0:
-            continue
-        if t1 in eos:
-            joint[(t1,)] = p1
-            continue
-        for t2, p2 in enumerate(p_next([*prompt, t1])):
-            joint[(t1, t2)] = p1 * p2
-    return joint
-
-
-def two_token_samples(pipe, sampling, n: int, use_draft=True) -> list[tuple]:
-    """First two tokens of n generations whose first round drafts two tokens."""
-    return [
-        tuple(
-            pipe.generate(
-                PROMPT, max_new_tokens=3, gamma=2, use_draft=use_draft, seed=seed,
-                temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-            ).token_ids[:2]
-        )
-        for seed in range(n)
-    ]
+T1 = SamplingConfig(temperature=1.0)
 
 
 @pytest.fixture(scope="module")
 def words(pipes):
     pipe = pipes["words"]
     # The check is only meaningful if the draft disagrees with the target.
-    p = exact_two_token_distribution(pipe, SETTINGS["temperature 1"])
+    p = exact_two_token_distribution(pipe, T1, PROMPT)
     assert max(p.values()) < 0.5
     return pipe
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
-def test_speculative_sampling_matches_the_target_distribution(words, setting):
-    sampling = SETTINGS[setting]
-    expected = exact_two_token_distribution(words, sampling)
-    samples = two_token_samples(words, sampling, n=4000)
-    stats = words.generate(PROMPT, max_new_tokens=40, temperature=1.0, seed=0).stats
-    assert stats.acceptance_rate < 0.9  # the draft is far from the target
+def test_speculative_sampling_matches_the_target_distribution(words):
+    expected = exact_two_token_distribution(words, T1, PROMPT)
+    samples, drafted, accepted = two_token_samples(words, T1, 3000, PROMPT)
+    assert drafted >= 2 * 3000 and accepted < 0.9 * drafted  # the draft is far from the target
     assert fit_pvalue(samples, expected) > ALPHA
 
 
 def test_target_only_sampling_matches_the_same_distribution(words):
-    sampling = SETTINGS["top-k 3"]
-    samples = two_token_samples(words, sampling, n=2000, use_draft=False)
-    assert fit_pvalue(samples, exact_two_token_distribution(words, sampling)) > ALPHA
+    top_k = SamplingConfig(temperature=0.8, top_k=3)
+    samples, drafted, _ = two_token_samples(words, top_k, 1500, PROMPT, use_draft=False)
+    assert drafted == 0
+    assert fit_pvalue(samples, exact_two_token_distribution(words, top_k, PROMPT)) > ALPHA
 
 
 def test_the_distribution_check_rejects_a_wrong_loop(words, monkeypatch):
@@ -208,9 +155,8 @@ def test_the_distribution_check_rejects_a_wrong_loop(words, monkeypatch):
         return (True, x) if qx <= px or u[1] * qx < px else (False, p.draw(u[2]))
 
     monkeypatch.setattr(sampler, "accept_or_replace", resample_from_p)
-    sampling = SETTINGS["temperature 1"]
-    samples = two_token_samples(words, sampling, n=4000)
-    assert fit_pvalue(samples, exact_two_token_distribution(words, sampling)) < 1e-6
+    samples, _, _ = two_token_samples(words, T1, 1500, PROMPT)
+    assert fit_pvalue(samples, exact_two_token_distribution(words, T1, PROMPT)) < 1e-6
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,7 +55,8 @@ def why_not_fused(model: PreTrainedModel) -> str | None:
     return None
 
 
-def build_fused_graph(model: PreTrainedModel, folder: Path, keep_precision: bool = True) -> dict:
+def build_fused_graph(model: PreTrainedModel, folder: Path, keep_precision: bool = True,
+                      token_ids: np.ndarray | None = None) -> dict:
     """Write folder/model.onnx for a Llama-family ``model``; the graph computes in float32.
 
     keep_precision: store each weight in the checkpoint's own type (bf16 or fp16) with a Cast
@@ -71,14 +72,15 @@ def build_fused_graph(model: PreTrainedModel, folder: Path, keep_precision: bool
         raise ExportError(f"cannot build a fused graph: {reason}; use --graph optimum")
     folder.mkdir(parents=True)
     tied = is_tied(model)
-    tie = keep_precision and tied
+    tie = keep_precision and tied and token_ids is None
     stored_bytes = sum(p.numel() * (p.element_size() if keep_precision else 4)
                        for p in model.parameters())
-    if tied and not tie:  # the output layer gets its own copy of the table
-        stored_bytes += model.get_input_embeddings().weight.numel() * 4
+    if tied and not tie:  # the output layer gets its own copy of the table (or of its rows)
+        rows = len(token_ids) if token_ids is not None else model.config.vocab_size
+        stored_bytes += rows * model.config.hidden_size * 4
     with WeightStore(folder, external=stored_bytes > EXTERNAL_ABOVE,
                      keep_precision=keep_precision) as store:
-        graph = _Builder(model, store, tie=tie).build()
+        graph = _Builder(model, store, tie=tie, token_ids=token_ids).build()
     write_graph(graph, folder, [("", _OPSET), (_MS, 1)])
     return store.counts
 
@@ -96,8 +98,10 @@ def _head_dim(config) -> int:
 class _Builder:
     """Collects nodes while walking the model's layers once; weights go to the store."""
 
-    def __init__(self, model: PreTrainedModel, store: WeightStore, tie: bool):
+    def __init__(self, model: PreTrainedModel, store: WeightStore, tie: bool,
+                 token_ids: np.ndarray | None = None):
         self.model, self.config, self.store, self.tie = model, model.config, store, tie
+        self.token_ids = token_ids
         self.nodes = []
 
     # -- small helpers ------------------------------------------------------------------------
@@ -180,8 +184,9 @@ class _Builder:
             helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "sequence_length"]),
             helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, "total_length"]),
         ]
+        rows = cfg.vocab_size if self.token_ids is None else len(self.token_ids)
         outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
-                                                 [1, "sequence_length", cfg.vocab_size])]
+                                                 [1, "sequence_length", rows])]
         for i in range(layers):
             for kind in ("key", "value"):
                 inputs.append(helper.make_tensor_value_info(
@@ -193,10 +198,14 @@ class _Builder:
                                  self.store.initializers)
 
     def lm_head(self, normed: str, embed: str) -> None:
-        """logits = normed @ W^T; a tied W is the embedding table, read transposed by Gemm."""
+        """logits = normed @ W^T; a tied W is the embedding table, read transposed by Gemm.
+        With token_ids, W is the rows of those tokens only."""
         hidden, vocab = self.config.hidden_size, self.config.vocab_size
         if not self.tie:
-            head = self.model.get_output_embeddings().weight.detach().T  # [hidden, V]
+            weight = self.model.get_output_embeddings().weight.detach()  # [V, hidden]
+            if self.token_ids is not None:
+                weight = weight[torch.from_numpy(self.token_ids)]  # [N, hidden]
+            head = weight.T  # [hidden, V or N]
             self.node("MatMul", [normed, self.weight("lm_head", head)], outputs=["logits"])
             return
         (rows,) = self.node("Reshape", [normed, self.weight("rows", np.array([-1, hidden]))])

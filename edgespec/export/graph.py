@@ -9,7 +9,6 @@ from contextlib import contextmanager
 import warnings
 from pathlib import Path
 
-import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from edgespec.errors import ExportError

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 import edgespec
 from edgespec.config import EXPORT_GRAPHS
 from edgespec.errors import ExportError
@@ -32,6 +34,8 @@ from edgespec.export.precision import (
     store_exact_halves,
 )
 from edgespec.export.pair import Checkpoint, check_pair, read_checkpoint
+from edgespec.export.runs import TARGET_COMPUTES, choose_runs
+from edgespec.export.vocab import TOKEN_IDS_NAME, coverage, frequent_tokens
 from edgespec.export.validate import (
     VALIDATIONS,
     reference_logits,
@@ -56,6 +60,9 @@ def export_pair(
     progress: Progress | None = None,
     validation: str = "strict",
     draft_quantize: str | None = "same",
+    target_compute: str = "auto",
+    draft_vocab: int | None = None,
+    draft_vocab_texts: tuple[Path, ...] = (),
 ) -> Manifest:
     """Export a target/draft pair of Hugging Face causal LMs into the package folder ``out``.
 
@@ -75,6 +82,10 @@ def export_pair(
         "int4". The draft's precision never changes the output, only how often its tokens are
         accepted, so a quantized draft beside an exact target is safe; a checkpoint paired with
         itself this way is self-speculation with a quantized copy.
+    target_compute: what a quantized target's MatMuls compute in, "float" or "int8", or
+        "auto": measured on this machine with the shape of its runs (export/runs.py).
+    draft_vocab: the draft scores only this many tokens, the most frequent in
+        ``draft_vocab_texts`` (export/vocab.py; FR-Spec): a cheaper draft step, exact output.
     """
     out = Path(out)
     if dtype not in DTYPES:
@@ -85,6 +96,12 @@ def export_pair(
         raise ExportError("--quantize works on fp32 graphs; drop --dtype fp16 or --quantize")
     if graph not in GRAPHS:
         raise ExportError(f"--graph must be one of {', '.join(GRAPHS)}, got {graph!r}")
+    if target_compute not in TARGET_COMPUTES:
+        raise ExportError(f"--target-compute must be one of {', '.join(TARGET_COMPUTES)}, "
+                          f"got {target_compute!r}")
+    if target_compute == "int8" and not quantize:
+        raise ExportError("--target-compute int8 needs a quantized target; add --quantize int4 "
+                          "or int8")
     if validation not in VALIDATIONS:
         raise ExportError(f"--validate must be one of {', '.join(VALIDATIONS)}, got {validation!r}")
     draft_quantize = quantize if draft_quantize == "same" else draft_quantize
@@ -93,6 +110,8 @@ def export_pair(
                           f"got {draft_quantize!r}")
     if draft_quantize and dtype != "fp32":
         raise ExportError("--draft-quantize works on fp32 graphs; drop --dtype fp16")
+    if draft_vocab is not None and draft is None:
+        raise ExportError("--draft-vocab restricts a draft's output; this export has no --draft")
     variants = {"target": quantize or dtype, "draft": draft_quantize or dtype}
     report = _Steps(progress or (lambda line: None), total=4 if draft is not None else 3)
     out = check_destination(out, overwrite)
@@ -109,8 +128,17 @@ def export_pair(
             ("target", target_ckpt),)
         for role, ckpt in roles:
             with report.step(f"exporting and validating the {role} ({ckpt.path})"):
+                token_ids = None
+                if role == "draft" and draft_vocab is not None:
+                    token_ids = frequent_tokens(target_ckpt.tokenizer, vocab_size, draft_vocab,
+                                                list(draft_vocab_texts),
+                                                always=target_ckpt.eos_token_ids)
+                    covered = coverage(target_ckpt.tokenizer, token_ids, list(draft_vocab_texts))
+                    report.detail(f"the draft scores {len(token_ids):,} of {vocab_size:,} tokens"
+                                  + (f" ({covered:.1%} of the calibration text's tokens)"
+                                     if covered is not None else " (the lowest ids: no text)"))
                 specs[role] = _export_model(ckpt, tmp, role, variants[role], graph, validation,
-                                            report)
+                                            report, target_compute, token_ids)
         with report.step("writing tokenizer and manifest"):
             defaults, ignored = target_ckpt.sampling_defaults
             if defaults:
@@ -123,11 +151,13 @@ def export_pair(
 
 
 def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: str,
-                  validation: str, report: "_Steps") -> ModelSpec:
+                  validation: str, report: "_Steps", target_compute: str = "auto",
+                  token_ids: np.ndarray | None = None) -> ModelSpec:
     """Build, shrink and validate one graph, with one model in memory at a time.
 
     PyTorch's reference logits are computed right after the graph is written, and the model
-    is freed before anything else loads the graph (quantization, onnxruntime).
+    is freed before anything else loads the graph (quantization, onnxruntime). A CPU target's
+    runs are then shaped (export/runs.py) before it is validated as it will run.
     """
     folder = root / role
     model = load_model(ckpt.path)
@@ -136,21 +166,28 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
         graph = "optimum" if reason else "fused"
         if reason:
             report.detail(f"optimum's graph for the {role}: {reason}")
+    if token_ids is not None and graph != "fused":
+        raise ExportError(f"--draft-vocab needs edgespec's fused graph for the draft, and "
+                          f"{reason or 'optimum was asked for'}; drop --draft-vocab")
     report.detail(f"writing the {graph} graph")
     if graph == "fused":
-        stored = build_fused_graph(model, folder, keep_precision=variant == "fp32")
+        stored = build_fused_graph(model, folder, keep_precision=variant == "fp32",
+                                   token_ids=token_ids)
     else:
         export_graph(model.float(), folder)
         pin_ir_version(folder)
         stored = {}
     about = {"architecture": model.config.model_type,
              "parameters": sum(p.numel() for p in model.parameters())}
-    tied = graph == "fused" and is_tied(model)  # one int4 table for embedding and output
+    # one int4 table for embedding and output (not when the output scores a subset)
+    tied = graph == "fused" and is_tied(model) and token_ids is None
     ids = validation_ids(ckpt.tokenizer, ckpt.vocab_size,
                          min(VALIDATION_LENGTH, ckpt.max_positions))
     if validation != "skip":
         report.detail("computing PyTorch's reference logits")
         expected = reference_logits(model, ids)
+        if token_ids is not None:
+            expected = expected[:, token_ids]  # the columns the graph scores
     del model
     gc.collect()
 
@@ -164,9 +201,18 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
     elif graph == "optimum":
         stored = store_exact_halves(folder)
     spec = replace(describe_graph(folder, root, **about), graph=graph, stored=dict(stored),
-                   quantization=variant if variant in QUANTIZATIONS else None)
+                   quantization=variant if variant in QUANTIZATIONS else None,
+                   compute="int8" if role == "draft" and variant in QUANTIZATIONS else "float")
+    if token_ids is not None:
+        np.save(folder / TOKEN_IDS_NAME, token_ids)
+        spec = replace(spec, token_ids=f"{role}/{TOKEN_IDS_NAME}")
+    runs = {}
+    if role == "target" and variant != "fp16":
+        report.detail("measuring the target's runs: compute, rows, costs")
+        spec, runs = choose_runs(root, spec, ckpt.max_positions, target_compute, report.detail)
     if validation == "skip":
-        return replace(spec, validation={"variant": variant, "skipped": True})
+        return replace(spec, validation={"variant": variant, "skipped": True,
+                                         **({"runs": runs} if runs else {})})
 
     report.detail("validating against PyTorch")
     figures, failures = validate_graph(expected, ids, root, spec, ckpt.max_positions, variant,
@@ -180,7 +226,8 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
     for failure in failures:
         report.detail(f"validation failed (--validate report): {failure}")
     report.detail(_figures_line(figures))
-    return replace(spec, validation={**figures, "failures": failures})
+    return replace(spec, validation={**figures, "failures": failures,
+                                     **({"runs": runs} if runs else {})})
 
 
 def _figures_line(figures: dict) -> str:

@@ -4,22 +4,23 @@ Every variant is validated against PyTorch afterwards (``validate.py``) with the
 its kind, and the measured deviation goes into the manifest.
 
 Quantization is weight-only (onnxruntime's MatMulNBits, block-wise, symmetric): activations
-stay in float32, so each row of logits is computed the same way whether a run holds one token
-or k+1. Dynamic int8 quantization (``quantize_dynamic``) quantizes activations with one scale
-per tensor, which makes a token's logits depend on the other tokens of the same run: the
-target's verify run and a plain target step would then disagree, and speculative output would
-no longer equal target-only output.
+are kept in float32 between operators, and quantized, when at all, row by row inside a
+MatMulNBits, so a row of logits does not depend on the other tokens of its run. Dynamic int8
+quantization (``quantize_dynamic``) quantizes activations with one scale per tensor, which
+makes a token's logits depend on the other tokens of the same run: the target's verify run and
+a plain target step would then disagree, and speculative output would no longer equal
+target-only output.
 
 A draft's MatMulNBits compute with int8 activations (``accuracy_level`` 4, the level
 onnxruntime-genai's builder is given for CPU int4 models): onnxruntime then uses its integer
 dot-product kernels (VNNI, ARM SDOT) instead of unpacking every weight to float32 per run. On
 the demo draft (one thread, AMD EPYC with VNNI) a step costs 0.10 ms in int8 and 0.11 ms in
-int4 this way, against 2.09 / 0.18 ms with float compute and 0.14 ms in fp32. A target keeps
-float compute: with int8 activations a row's logits moved by up to 0.016 between a one-token
-run and a multi-token run of the same tokens (the quantized-activation kernels differ with
-the number of rows), enough to flip a near-tie between target-only and speculative decoding.
-A draft's logits only move its acceptance, and in the loop a sampled draft always runs one
-token at a time, so its proposals stay a function of the prefix.
+int4 this way, against 2.09 / 0.18 ms with float compute and 0.14 ms in fp32. A target's
+compute is chosen at export with the shape of its runs (runs.py): int8 activations round a
+one-token run differently from a longer one (by up to 5e-2 of a logit), so an int8 target
+always runs at least two tokens, and rows of runs of two tokens or more are bit-identical.
+A draft's logits only move its acceptance (a sampled draft runs one token at a time, except to
+catch up after a round that drafted nothing).
 """
 
 from __future__ import annotations

@@ -48,9 +48,18 @@ def describe_package(name: str, path: Path) -> list[str]:
     draft = manifest.draft
     drafting = (f"draft {draft.layers} layers, {draft.parameters / 1e6:.1f}M" if draft
                 else "no draft: target only (decodes with n-gram drafting)")
+    target = manifest.target
     return [
         f"{name}  {size / 1e6:.0f} MB  {path}",
-        f"      target {manifest.target.architecture} {manifest.target.layers} layers, "
-        f"{manifest.target.parameters / 1e6:.1f}M parameters; {drafting}; vocabulary "
+        f"      target {target.architecture} {target.layers} layers, "
+        f"{target.parameters / 1e6:.1f}M parameters; {drafting}; vocabulary "
         f"{manifest.vocab_size}, context {manifest.max_positions}",
+        f"      target {target.quantization or target.dtype}"
+        + (f" computing in {target.compute}" if target.quantization else "")
+        + (f", runs of at least {target.min_run_tokens} tokens: greedy output with and without "
+           "drafting is the same bit for bit" if target.min_run_tokens > 1 else
+           ", runs as fed: greedy output with and without drafting is the same up to float "
+           "rounding of near-ties")
+        + (f"; draft scores {draft.vocab_size:,} of the tokens" if draft and draft.token_ids
+           else ""),
     ]

@@ -97,9 +97,11 @@ class ModelDrafter(Drafter):
     def q(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig) -> Dist:
         start = time.perf_counter()
         fed = np.array(tokens_from(committed, drafted, self.cache.length))
-        logits = self.session.forward(fed, self.cache)[-1]  # [V]
+        logits = self.session.forward(fed, self.cache)[-1]  # [V], or [N] for a subset draft
         middle = time.perf_counter()
         q = process_row(logits, sampling)
+        if self.session.token_ids is not None:  # column j is token token_ids[j]; q = 0 elsewhere
+            q = q.relabel(self.session.token_ids)
         self.stats.draft_s += middle - start
         self.stats.sampling_s += time.perf_counter() - middle
         self.stats.draft_calls += 1
@@ -218,7 +220,8 @@ def make_drafter(
     stats: GenerationStats,
     positions: int | None = None,
 ) -> Drafter:
-    """A fresh drafter for one generation (``name`` as ``resolve_drafter`` gives it)."""
+    """A fresh drafter for one generation (``name`` as ``resolve_drafter`` gives it; a draft
+    model's cache starts with room for ``positions``)."""
     if name == "model":
         return ModelDrafter(draft, stats, positions)
     if name == "ngram":

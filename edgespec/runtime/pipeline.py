@@ -16,7 +16,7 @@ from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError, GenerationError, ManifestError
 from edgespec.manifest import Manifest
 from edgespec.runtime import calibration
-from edgespec.runtime.drafters import resolve_drafter
+from edgespec.runtime.drafters import make_drafter, resolve_drafter
 from edgespec.runtime.healing import Healing, PrefixIndex, heal
 from edgespec.runtime.schedule import (
     AdaptiveSchedule,
@@ -27,8 +27,8 @@ from edgespec.runtime.schedule import (
     calibrate,
 )
 from edgespec.runtime.providers import SessionConfig, default_session_configs
-from edgespec.runtime.session import ModelSession
-from edgespec.runtime.speculative import decode
+from edgespec.runtime.session import ModelSession, read_token_ids
+from edgespec.runtime.speculative import decode, request_positions
 from edgespec.runtime.stats import GenerationStats
 from edgespec.runtime.text import IncrementalDecoder, StopMatcher
 
@@ -108,7 +108,8 @@ class Pipeline:
         self.session_configs = {role: configs[role] for role in m.models}
         sessions = {
             role: ModelSession(self.path / spec.path, spec, m.vocab_size, m.max_positions,
-                               self.session_configs[role])
+                               self.session_configs[role],
+                               read_token_ids(self.path, spec, m.vocab_size))
             for role, spec in m.models.items()
         }
         # draft None: a target-only package (n-gram drafting or the target alone)
@@ -192,8 +193,10 @@ class Pipeline:
             unhealed = _Unprefix(stats.healed)  # the healed text, in the prompt already
             eos = set() if config.ignore_eos else set(self.manifest.eos_token_ids)
             schedule = self._schedule(config, drafter, stats)  # adaptive may measure costs first
-            rounds = decode(self.target, self.draft, healing.prompt if healing else prompt_ids,
-                            replace(config, drafter=drafter), schedule, limit, eos, stats,
+            ids = healing.prompt if healing else prompt_ids
+            proposer = make_drafter(drafter, self.draft, config, stats,
+                                    request_positions(len(ids), config))
+            rounds = decode(self.target, proposer, ids, config, schedule, limit, eos, stats,
                             first_allowed=healing.allowed if healing else None)
             for new in rounds:
                 if cancelled.is_set():  # checked every round, whether or not it made text

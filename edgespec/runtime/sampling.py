@@ -189,6 +189,12 @@ class Dist:
         j = _inverse_cdf(self.weights, u)
         return j if self.ids is None else int(self.ids[j])
 
+    def relabel(self, token_ids: np.ndarray) -> "Dist":
+        """This row of a graph whose column j is token ``token_ids[j]`` (ascending): the same
+        distribution over those tokens, 0 elsewhere (a subset draft's q, FR-Spec)."""
+        return Dist(token_ids if self.ids is None else token_ids[self.ids], self.weights,
+                    self.total)
+
     def dense(self, vocab_size: int) -> np.ndarray:
         """The row as float64 probabilities ``[V]`` (for tests and the reference)."""
         probs = np.zeros(vocab_size)

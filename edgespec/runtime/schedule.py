@@ -38,11 +38,11 @@ class StepCosts:
     def round_ms(self, k: int, alpha: float = 0.0, sampled: bool = False) -> float:
         """Expected ms of a round drafting k tokens.
 
-        A sampled round runs the draft once more where a position has no draft token yet (every
-        position is drawn the same way, runtime/speculative.py): after a full acceptance, with
-        probability alpha^k, and in every k = 0 round.
+        A sampled round drafting k >= 1 runs the draft once more after a full acceptance, with
+        probability alpha^k (position k is drawn with the draft's proposal there,
+        runtime/speculative.py); a k = 0 round is one target step and nothing else.
         """
-        extra = self.draft_step_ms * alpha**k if sampled else 0.0
+        extra = self.draft_step_ms * alpha**k if sampled and k else 0.0
         return k * self.draft_step_ms + self.target_ms[k] + extra
 
     def tokens_per_ms(self, alpha: float, k: int, sampled: bool = False) -> float:

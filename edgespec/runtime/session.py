@@ -26,7 +26,8 @@ class ModelSession:
     """
 
     def __init__(
-        self, path: Path, spec: ModelSpec, vocab_size: int, max_positions: int, config: SessionConfig
+        self, path: Path, spec: ModelSpec, vocab_size: int, max_positions: int, config: SessionConfig,
+        token_ids: np.ndarray | None = None,
     ):
         chain, warning = provider_chain(config)
         # onnxruntime's own log is silenced (process-wide, FATAL only): every error it logs is
@@ -45,8 +46,11 @@ class ModelSession:
         self.providers = self.session.get_providers()
         self.warning = warning or fallback_warning(chain, self.providers)
         self.vocab_size = vocab_size
+        # a draft scoring a subset of the vocabulary: column j of its logits is token_ids[j]
+        self.token_ids = token_ids
         self._read_graph(spec)
         self.in_place = spec.graph == "fused"
+        self.min_run_tokens = spec.min_run_tokens
         self.max_positions = max_positions
         self.device = "cuda" if self.providers[0] != "CPUExecutionProvider" else "cpu"
 
@@ -78,8 +82,23 @@ class ModelSession:
         """Run ``tokens [n]`` after what the cache covers; returns logits ``[n, vocab]``.
 
         position_ids and attention_mask are derived from the cache length; the cache then
-        covers the fed tokens too.
+        covers the fed tokens too. A run shorter than the graph's ``min_run_tokens`` carries
+        throw-away tokens after the real ones (copies of the last): causal attention keeps them
+        out of the real rows, and the cache is cropped back so they leave no trace. Graphs
+        computing with int8 activations need it: onnxruntime's one-row kernel rounds
+        differently from the kernel every longer run uses (export/compute.py).
         """
+        n = len(tokens)
+        pad = min(self.min_run_tokens - n, self.max_positions - cache.length - n)
+        if pad > 0:
+            tokens = np.concatenate([tokens, np.repeat(np.asarray(tokens)[-1:], pad)])
+            logits = self._run(tokens, cache)[:n]
+            cache.crop(cache.length - pad)
+            return logits
+        return self._run(tokens, cache)
+
+    def _run(self, tokens: np.ndarray, cache: KVCache | InPlaceKVCache) -> np.ndarray:
+        """One session run on ``tokens [n]`` after the cache; logits ``[n, vocab]``."""
         start, n = cache.length, len(tokens)
         feeds = {"input_ids": np.asarray(tokens, dtype=np.int64)[None, :]}
         if self.has_attention_mask:  # a view of one buffer: no allocation that grows with the text
@@ -102,6 +121,24 @@ class ModelSession:
         if cache.binding is None:
             cache.binding = _CacheBinding(self.session, self.kv_inputs, self.kv_outputs)
         return cache.binding.run(feeds, cache.buffers)
+
+
+def read_token_ids(root: Path, spec: ModelSpec, vocab_size: int) -> np.ndarray | None:
+    """The ids a subset draft's columns stand for (``spec.token_ids``), checked: as many as the
+    graph's columns, ascending, inside the shared vocabulary."""
+    if spec.token_ids is None:
+        return None
+    path = Path(root) / spec.token_ids
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"cannot read {path} ({e}); re-export the pair") from None
+    if (ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) != spec.vocab_size
+            or len(ids) == 0 or (np.diff(ids) <= 0).any() or ids[0] < 0
+            or ids[-1] >= vocab_size):
+        raise ManifestError(f"{path}: must hold {spec.vocab_size} ascending token ids below "
+                            f"{vocab_size}; re-export the pair")
+    return ids.astype(np.int64)
 
 
 class _CacheBinding:

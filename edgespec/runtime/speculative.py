@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgespec.config import GenerationConfig, SamplingConfig
-from edgespec.runtime.drafters import Drafter, make_drafter, resolve_drafter
+from edgespec.runtime.drafters import Drafter
 from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
 from edgespec.runtime.sampling import (
     PositionUniforms,
@@ -66,6 +66,15 @@ def _timed(stats: GenerationStats, field: str) -> Iterator[None]:
     setattr(stats, field, getattr(stats, field) + time.perf_counter() - start)
 
 
+@dataclass(frozen=True)
+class Round:
+    """What one round did: the tokens to commit, and how many were drafted and accepted."""
+
+    tokens: list[int]  # 1..drafted+1: the accepted drafts, then a replacement or position k
+    drafted: int  # what the drafter proposed: k, or fewer where a lookup ran out
+    accepted: int
+
+
 def speculative_round(
     target: Decoder,
     drafter: Drafter,
@@ -74,17 +83,20 @@ def speculative_round(
     sampling: SamplingConfig,
     uniforms: PositionUniforms,
     stats: GenerationStats,
-) -> list[int]:
+) -> Round:
     """One round of speculative sampling (Leviathan et al. 2023, Algorithm 1), keyed by position.
 
     Sampling uses, for the token at position n = len(committed) + i, the uniforms u[n] and
-    nothing else random: each token is ``position_token(p_n, q_n, u[n])`` (sampling.py) however
-    the positions are cut into rounds, so a seed gives the same text whatever the schedule.
+    nothing else random: each token of a round drafting k >= 1 is ``position_token(p_n, q_n,
+    u[n])`` (sampling.py) however the positions are cut into such rounds, so a seed gives the
+    same text whatever fixed k >= 1; a k = 0 round draws from p_n alone.
     q_n is the drafter's proposal (runtime/drafters.py): a draft model's row, an n-gram
     lookup's point mass, or none (then the token is drawn from p_n with u[n, 0]). k = 0, or a
-    drafter with nothing to propose, makes the round one target step. Greedy reads no uniforms.
-    Returns the 1..k+1 tokens to commit; the target's cache ends covering the new
-    ``committed[:-1]``, the drafter's state a prefix of it.
+    drafter with nothing to propose, makes the round one target step, the token drawn from p_n
+    alone (k = 0 does not ask the drafter). Greedy reads no uniforms.
+    Returns what happened (the 1..k+1 tokens to commit, drafted, accepted); the target's cache
+    ends covering the new ``committed[:-1]``, the drafter's state a prefix of it. ``stats``
+    only receives the sampling time (the sessions time their own runs).
     """
     greedy = sampling.greedy
     u = None if greedy else uniforms.rows(len(committed), k + 1)  # [k+1, 3]
@@ -105,14 +117,13 @@ def speculative_round(
             n_accepted, next_token = verify_greedy(draft_tokens, logits)
         else:
             n_accepted, next_token = verify_sampled(draft_tokens, q_rows, logits, sampling, u)
-    if k:
-        stats.record_round(k, n_accepted)
 
-    # 4. sampling, all k accepted: no bonus token from p. Position k is drawn like every other,
-    #    with the drafter's proposal there (as it would be next round): x = F_q_k^-1(u[k, 0])
-    #    tested against p_k (row k) as in step 3; no proposal: F_p_k^-1(u[k, 0])
+    # 4. sampling, all k >= 1 accepted: no bonus token from p. Position k is drawn like every
+    #    other, with the drafter's proposal there (as it would be next round):
+    #    x = F_q_k^-1(u[k, 0]) tested against p_k (row k) as in step 3; no proposal, or k = 0
+    #    (drafting off: a plain target step, the drafter not asked): F_p_k^-1(u[k, 0])
     if next_token is None:
-        q = drafter.q(committed, draft_tokens, sampling)
+        q = drafter.q(committed, draft_tokens, sampling) if k else None
         with _timed(stats, "sampling_s"):
             p = process_row(logits[k], sampling)
             next_token = p.draw(u[k, 0]) if q is None else position_token(p, q, u[k])
@@ -122,7 +133,7 @@ def speculative_round(
     keep = len(committed) + n_accepted  # = len(new committed) - 1
     target.cache.crop(keep)
     drafter.rollback(keep)
-    return new_tokens
+    return Round(new_tokens, drafted=k, accepted=n_accepted)
 
 
 def constrained_step(
@@ -152,9 +163,15 @@ def constrained_step(
         return p.draw(uniforms.rows(len(committed), 1)[0, 0])
 
 
+def request_positions(prompt_tokens: int, config: GenerationConfig) -> int:
+    """Cache positions one request needs: every token it may commit, plus one round's drafts
+    (not the model's whole context; an in-place cache grows if a schedule drafts further)."""
+    return prompt_tokens + config.max_new_tokens + config.gamma + 1
+
+
 def decode(
     target: ModelSession,
-    draft: ModelSession | Drafter | None,
+    drafter: Drafter,
     prompt: list[int],
     config: GenerationConfig,
     schedule: Schedule,
@@ -165,26 +182,19 @@ def decode(
 ) -> Iterator[list[int]]:
     """Yield the tokens each round commits, until EOS, ``max_new_tokens`` or the context ends.
 
-    ``draft``: a Drafter, or the draft model's session (None: the package has none), from which
-    ``config.drafter`` picks one (drafters.resolve_drafter; ``use_draft`` False: none, the
-    target alone). ``schedule`` picks each round's k (0: a plain target step). An EOS token is
-    yielded and ends the generation. ``stats.finish_reason`` says why it stopped.
-    ``first_allowed``: the ids the first generated token may take (token healing: ``prompt``
-    is then the user's backed off its last token, healing.py); it is drawn by one
-    ``constrained_step`` before any drafting, and counts as a generated token.
+    ``drafter``: what proposes the drafts, made for this request (drafters.make_drafter; a
+    NoDrafter decodes with the target alone). ``schedule`` picks each round's k (0: a plain
+    target step). An EOS token is yielded and ends the generation. ``stats.finish_reason``
+    says why it stopped. ``first_allowed``: the ids the first generated token may take (token
+    healing: ``prompt`` is then the user's backed off its last token, healing.py); it is drawn
+    by one ``constrained_step`` before any drafting, and counts as a generated token.
     """
     uniforms = PositionUniforms(config.seed, first=len(prompt))  # u[n] for generated token n
     started = time.perf_counter()
     committed = list(prompt)
     stats.prompt_tokens = len(prompt)
-
-    # Caches sized to this request (every token it may commit, plus one round's drafts), not
-    # to the model's whole context; an in-place cache grows if a schedule drafts further.
-    positions = len(prompt) + config.max_new_tokens + config.gamma + 1
-    if not isinstance(draft, Drafter):
-        name = resolve_drafter(config, has_draft=draft is not None)
-        draft = make_drafter(name, draft, config, stats, positions)
-    drafter, speculative = draft, draft.name != "none"
+    speculative = drafter.name != "none"
+    positions = request_positions(len(prompt), config)
     target_decoder = Decoder.start(target, positions)
     # Prefill: every prompt token but the last, so the invariant holds from the first round.
     with _timed(stats, "prefill_s"):
@@ -194,6 +204,7 @@ def decode(
     target_decoder.stats = stats
 
     while True:
+        room = min(config.max_new_tokens - stats.new_tokens, max_positions - len(committed))
         if first_allowed is not None:
             # Token healing: the first position from the target's row restricted to the allowed
             # ids, drawn identically in target-only and speculative decoding and never drafted,
@@ -205,22 +216,28 @@ def decode(
             if speculative:
                 stats.draft_lengths[0] = stats.draft_lengths.get(0, 0) + 1
         else:
-            remaining = config.max_new_tokens - stats.new_tokens
-            # Drafting more than remaining - 1 is wasted; a round commits up to k + 1 tokens,
-            # and the window holds max_positions, as target-only decoding fills it.
-            k = min(schedule.next_k() if speculative else 0, remaining - 1,
-                    max_positions - len(committed) - 1)
-            drafted_before = stats.drafted
-            new = speculative_round(target_decoder, drafter, committed, k, config.sampling,
-                                    uniforms, stats)
-            k = stats.drafted - drafted_before  # what the drafter proposed: a lookup may run out
+            # A round commits up to k + 1 tokens: drafting more than the request or the window
+            # has room for is wasted, but a round the schedule gives drafts stays one, down to
+            # k = 1 for the last token (its surplus dropped below), so that every position of
+            # a fixed k >= 1 is drawn from (p, q, u) alike: one seed, one text, whatever k.
+            wanted = schedule.next_k() if speculative else 0
+            k = min(wanted, max(room - 1, 1))
+            done = speculative_round(target_decoder, drafter, committed, k, config.sampling,
+                                     uniforms, stats)
+            new = done.tokens
+            if done.drafted:
+                stats.record_round(done.drafted, done.accepted)
             if speculative:
-                stats.draft_lengths[k] = stats.draft_lengths.get(k, 0) + 1
-                schedule.update(k, n_accepted=len(new) - 1)
+                stats.draft_lengths[done.drafted] = stats.draft_lengths.get(done.drafted, 0) + 1
+                schedule.update(done.drafted, n_accepted=done.accepted)
         if target_decoder.cache.length != len(committed) + len(new) - 1:
             raise CacheError(f"the target's cache covers {target_decoder.cache.length} tokens, "
                              f"not the {len(committed) + len(new) - 1} committed before the last")
 
+        if len(new) > room:  # the last round's surplus token: dropped, and the caches with it
+            new = new[:room]
+            target_decoder.cache.crop(len(committed) + room - 1)
+            drafter.rollback(len(committed) + room - 1)
         ends_at_eos = next((i for i, t in enumerate(new) if t in eos_token_ids), None)
         if ends_at_eos is not None:
             new = new[: ends_at_eos + 1]

@@ -1,0 +1,65 @@
+"""Checks and costs of a session's runs: are rows bit-identical across run sizes, what runs cost.
+
+Used at export to shape a target's runs (export/runs.py) and by tests, in any environment that
+has onnxruntime (no torch): the onnxruntime floor's included.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from edgespec.runtime.session import ModelSession
+
+PADDED = 2  # tokens a padded run feeds at least
+CHECK_RUN = 9  # the longest run the row check compares (a verify of 8 drafts)
+CHECK_STARTS = (0, 3)  # where in that run the compared rows begin
+PAST = 128  # tokens before the timed runs
+VERIFY = 5  # the run timed beside a one-token step: a verify of 4 drafts
+
+
+def rows_identical(session: ModelSession, from_tokens: int = PADDED, trials: int = 2,
+                   seed: int = 0) -> bool:
+    """Whether every row of runs of ``from_tokens``..CHECK_RUN tokens equals, bit for bit, the
+    same row of a CHECK_RUN-token run on the same cache, wherever the run starts
+    (CHECK_STARTS): a cache cropped back keeps what the long run wrote before the start, as a
+    decoding cache keeps what earlier runs wrote."""
+    rng = np.random.default_rng(seed)
+    saved, session.min_run_tokens = session.min_run_tokens, 1
+    try:
+        for _ in range(trials):
+            past = int(rng.integers(8, 40)) % max(1, session.max_positions - CHECK_RUN)
+            ids = rng.integers(0, session.vocab_size, size=past + CHECK_RUN)
+            cache = session.new_cache(past + CHECK_RUN)
+            session.forward(ids[:past], cache)
+            reference = session.forward(ids[past:], cache).copy()  # [CHECK_RUN, V]
+            for start in CHECK_STARTS:
+                for n in range(from_tokens, CHECK_RUN - start + 1):
+                    cache.crop(past + start)
+                    rows = session.forward(ids[past + start : past + start + n], cache)
+                    if not np.array_equal(rows, reference[start : start + n]):
+                        return False
+        return True
+    finally:
+        session.min_run_tokens = saved
+
+
+def run_costs(session: ModelSession, repeats: int = 5) -> dict:
+    """Median ms of a one-token step and of a VERIFY-token run after PAST tokens (fewer if the
+    context is shorter)."""
+    past = max(1, min(PAST, session.max_positions - VERIFY - PADDED))
+    ids = np.random.default_rng(1).integers(0, session.vocab_size, size=past + VERIFY)
+    cache = session.new_cache(past + VERIFY + PADDED)
+    session.forward(ids[:past], cache)
+    medians = {}
+    for name, n in (("step_ms", 1), ("verify_ms", VERIFY)):
+        times = []
+        for _ in range(repeats + 1):  # the first run pays for allocations: dropped
+            start = time.perf_counter()
+            session.forward(ids[past : past + n], cache)
+            times.append(time.perf_counter() - start)
+            cache.crop(past)
+        medians[name] = 1e3 * statistics.median(times[1:])
+    return medians

@@ -1,0 +1,63 @@
+"""Helpers the model tests share (test modules never import each other)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgespec.config import SamplingConfig
+from edgespec.runtime.sampling import process_logits
+
+PROMPTS = [
+    "def add(a, b):",
+    "The quick brown",
+    "Grüße aus Köln",
+    "import numpy as np\nx =",
+    "for i in range(10):\n    print(",
+]
+SAMPLED = {"T=1": dict(temperature=1.0), "top-p": dict(temperature=0.7, top_p=0.9)}
+
+
+def exact_two_token_distribution(pipe, sampling: SamplingConfig, prompt: str) -> dict:
+    """P(t1, t2) = p(t1 | prompt) p(t2 | prompt, t1) from the target graph; an EOS first token
+    ends the text."""
+    ids = pipe.encode(prompt)
+    eos = set(pipe.manifest.eos_token_ids)
+
+    def p_next(prefix: list[int]) -> np.ndarray:
+        logits = pipe.target.forward(np.array(prefix), pipe.target.new_cache())[-1:]
+        return process_logits(logits, sampling)[0]
+
+    joint = {}
+    for t1, p1 in enumerate(p_next(ids)):
+        if p1 == 0:
+            continue
+        if t1 in eos:
+            joint[(t1,)] = p1
+            continue
+        for t2, p2 in enumerate(p_next([*ids, t1])):
+            joint[(t1, t2)] = p1 * p2
+    return joint
+
+
+def two_token_samples(pipe, sampling: SamplingConfig, n: int, prompt: str, **settings
+                      ) -> tuple[list[tuple], int, int]:
+    """The first two tokens of n seeded generations whose first round drafts two tokens (a
+    fixed k = 2), with the tokens drafted and accepted over all of them."""
+    samples, drafted, accepted = [], 0, 0
+    for seed in range(n):
+        result = pipe.generate(prompt, max_new_tokens=3, gamma=2, schedule="fixed", seed=seed,
+                               temperature=sampling.temperature, top_k=sampling.top_k,
+                               top_p=sampling.top_p, **settings)
+        samples.append(tuple(result.token_ids[:2]))
+        drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
+    return samples, drafted, accepted
+
+
+def texts_by_schedule(pipe, prompt: str, **settings) -> dict[str, list[int]]:
+    """Token ids of one generation per schedule that always drafts (fixed k = 1, 2, 4, 8 and
+    the heuristic), same settings and seed; each is checked to have drafted."""
+    runs = {f"k={k}": pipe.generate(prompt, gamma=k, schedule="fixed", **settings)
+            for k in (1, 2, 4, 8)}
+    runs["heuristic"] = pipe.generate(prompt, gamma=4, schedule="heuristic", **settings)
+    assert all(r.stats.drafted > 0 for r in runs.values())
+    return {name: r.token_ids for name, r in runs.items()}
