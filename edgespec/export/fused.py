@@ -19,10 +19,18 @@ the runtime append in place and roll back by changing a length (``runtime/sessio
 
 Positions come from the attention mask (GroupQueryAttention rotates token j of a run at position
 total_length - run_length + j), so the graph has no position_ids input.
+
+The model is never loaded whole: the weights are read from the checkpoint one tensor at a time
+(``tensors.py``) and written as they are read, and int4/int8 graphs get their MatMulNBits and
+GatherBlockQuantized weights quantized on the way (``precision.quantize_blocks``), not a float
+graph rewritten by onnxruntime's quantizer afterwards. A 7B model's export then holds about one
+layer (0.5 GB in bf16) and its embedding table, not the model.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,16 +38,18 @@ import torch
 from transformers import PreTrainedModel
 
 from edgespec.errors import ExportError
+from edgespec.export.memory import trim
 from edgespec.export.onnx_io import EXTERNAL_ABOVE, WeightStore, write_graph
+from edgespec.export.precision import INT8_COMPUTE, QUANT_BLOCK_SIZE, quantize_blocks
 
 SUPPORTED = ("llama", "mistral", "qwen2")
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"  # the checkpoint's names
 _MS = "com.microsoft"
 _OPSET = 17
 
 
-def why_not_fused(model: PreTrainedModel) -> str | None:
-    """None if the builder handles this model, else the reason it does not."""
-    config = model.config
+def why_not_fused(config) -> str | None:
+    """None if the builder handles a model of this config, else the reason it does not."""
     if config.model_type not in SUPPORTED:
         return f"{config.model_type} is not a Llama-family model"
     scaling = getattr(config, "rope_scaling", None) or {}
@@ -55,32 +65,48 @@ def why_not_fused(model: PreTrainedModel) -> str | None:
     return None
 
 
-def build_fused_graph(model: PreTrainedModel, folder: Path, keep_precision: bool = True,
-                      token_ids: np.ndarray | None = None) -> dict:
-    """Write folder/model.onnx for a Llama-family ``model``; the graph computes in float32.
+def build_fused_graph(model: PreTrainedModel, tensors, folder: Path, keep_precision: bool = True,
+                      bits: int | None = None, int8_compute: bool = False,
+                      token_ids: np.ndarray | None = None,
+                      progress: Callable[[str], None] | None = None) -> dict:
+    """Write folder/model.onnx for a Llama-family model; the graph computes in float32.
 
+    model: the model's modules, on PyTorch's meta device (graph.meta_model: config, tying,
+        rotary embedding), or loaded. tensors: its weights by checkpoint name, read one at a
+        time (export/tensors.py): a layer's weights are read, written and dropped before the
+        next layer's, so the build holds about one layer whatever the model's size.
     keep_precision: store each weight in the checkpoint's own type (bf16 or fp16) with a Cast
         to float32 that onnxruntime folds when the session loads: the package is as large as
         the checkpoint and computes exactly as an fp32 upcast would. False stores float32, for
-        the passes that rewrite weights afterwards (quantization, fp16 conversion).
-    Weights go straight to disk as they are made (model.onnx_data for models over 1 GB), so the
-    build needs little memory beyond the model itself. Returns the number of weights per stored
-    type.
+        the passes that rewrite weights afterwards (fp16 conversion).
+    bits: 4 or 8: every MatMul is a MatMulNBits with weights quantized as they are written
+        (precision.quantize_blocks: block-wise symmetric, onnxruntime's quantizer's bytes), and
+        in int4 the embedding a GatherBlockQuantized; a tied table is stored once, read by both
+        ends. Other weights keep their precision. int8_compute: the MatMulNBits compute with
+        int8 activations (accuracy_level 4).
+    Weights go straight to disk as they are made (model.onnx_data above 64 MB of them).
+    progress: a line after each layer (layers done, MB written, seconds). Returns the number of
+    float weights per stored type.
     """
-    reason = why_not_fused(model)
+    reason = why_not_fused(model.config)
     if reason:
         raise ExportError(f"cannot build a fused graph: {reason}; use --graph optimum")
     folder.mkdir(parents=True)
     tied = is_tied(model)
-    tie = keep_precision and tied and token_ids is None
-    stored_bytes = sum(p.numel() * (p.element_size() if keep_precision else 4)
-                       for p in model.parameters())
-    if tied and not tie:  # the output layer gets its own copy of the table (or of its rows)
-        rows = len(token_ids) if token_ids is not None else model.config.vocab_size
-        stored_bytes += rows * model.config.hidden_size * 4
-    with WeightStore(folder, external=stored_bytes > EXTERNAL_ABOVE,
-                     keep_precision=keep_precision) as store:
-        graph = _Builder(model, store, tie=tie, token_ids=token_ids).build()
+    # the int4 table is shared whenever it is one (not when the output scores a subset);
+    # float graphs read a tied table transposed from the embedding (Gemm), except float32
+    # graphs bound for fp16 conversion, whose output layer keeps a MatMul of its own
+    if bits:
+        tie = tied and token_ids is None and bits == 4
+    else:
+        tie = tied and token_ids is None and keep_precision
+    head_rows = 0 if tie or not tied else (
+        len(token_ids) if token_ids is not None else model.config.vocab_size)
+    external = _stored_bytes(model, tensors, keep_precision, bits, head_rows) > EXTERNAL_ABOVE
+    with WeightStore(folder, external=external, keep_precision=keep_precision or bool(bits)) as store:
+        builder = _Builder(model, tensors, store, tie=tie, bits=bits, int8_compute=int8_compute,
+                           token_ids=token_ids, progress=progress or (lambda line: None))
+        graph = builder.build()
     write_graph(graph, folder, [("", _OPSET), (_MS, 1)])
     return store.counts
 
@@ -88,27 +114,43 @@ def build_fused_graph(model: PreTrainedModel, folder: Path, keep_precision: bool
 def is_tied(model: PreTrainedModel) -> bool:
     """Whether lm_head is the embedding table itself (then it is stored once)."""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    return head is not None and head.weight.data_ptr() == embed.weight.data_ptr()
+    return head is not None and head.weight is embed.weight
 
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def _stored_bytes(model, tensors, keep_precision: bool, bits: int | None,
+                  head_rows: int) -> int:
+    """About how many bytes of weights the graph will hold (decides external data).
+
+    head_rows: rows of an output layer stored beside a tied table (0 when it is shared).
+    """
+    parameters = sum(p.numel() for p in model.parameters())  # a tied table once
+    parameters += head_rows * model.config.hidden_size
+    if bits:  # + a float32 scale a block
+        return int(parameters * (bits + 32 / QUANT_BLOCK_SIZE) / 8)
+    return tensors.nbytes if keep_precision else parameters * 4
+
+
 class _Builder:
     """Collects nodes while walking the model's layers once; weights go to the store."""
 
-    def __init__(self, model: PreTrainedModel, store: WeightStore, tie: bool,
-                 token_ids: np.ndarray | None = None):
-        self.model, self.config, self.store, self.tie = model, model.config, store, tie
+    def __init__(self, model: PreTrainedModel, tensors, store: WeightStore, tie: bool,
+                 bits: int | None, int8_compute: bool, token_ids: np.ndarray | None,
+                 progress: Callable[[str], None]):
+        self.model, self.config, self.tensors, self.store = model, model.config, tensors, store
+        self.tie, self.bits, self.int8_compute = tie, bits, int8_compute
         self.token_ids = token_ids
+        self.progress = progress
         self.nodes = []
 
     # -- small helpers ------------------------------------------------------------------------
 
-    def weight(self, name: str, value: torch.Tensor | np.ndarray) -> str:
+    def weight(self, name: str, value: torch.Tensor | np.ndarray, counted: bool = True) -> str:
         """A constant input; float tensors keep their stored type behind a Cast."""
-        return self.store.add(name, value, self.nodes)
+        return self.store.add(name, value, self.nodes, counted)
 
     def node(self, op: str, inputs: list[str], outputs: list[str] | int = 1, domain: str = "",
              **attrs) -> list[str]:
@@ -120,19 +162,47 @@ class _Builder:
         self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
         return outputs
 
-    def linear(self, name: str, x: str, *modules: torch.nn.Linear) -> str:
-        """x @ W^T (+ b) for one or several Linear layers fused along the output axis."""
-        w = torch.cat([m.weight.detach().T for m in modules], dim=1)  # [in, out]
-        (out,) = self.node("MatMul", [x, self.weight(f"{name}.weight", w)])
-        if modules[0].bias is not None:
-            b = torch.cat([m.bias.detach() for m in modules])
+    def linear(self, name: str, x: str, *modules: str) -> str:
+        """x @ W^T (+ b) for one or several Linear layers (checkpoint names without
+        ``.weight``) fused along the output axis."""
+        w = torch.cat([self.tensors.read(f"{m}.weight") for m in modules])  # [out, in]
+        out = self.matmul(f"{name}.weight", x, w)
+        if f"{modules[0]}.bias" in self.tensors:
+            b = torch.cat([self.tensors.read(f"{m}.bias") for m in modules])
             (out,) = self.node("Add", [out, self.weight(f"{name}.bias", b)])
         return out
 
-    def skip_norm(self, name: str, x: str, skip: str, norm) -> tuple[str, str]:
-        """(RMSNorm(x + skip), x + skip)."""
+    def matmul(self, name: str, x: str, w: torch.Tensor, output: str | None = None) -> str:
+        """x @ w^T for w ``[N, K]`` as a checkpoint stores it: a MatMul with w^T, or a
+        MatMulNBits with w's blocks (named as onnxruntime's quantizer names them)."""
+        outputs = [output] if output else 1
+        if not self.bits:
+            (out,) = self.node("MatMul", [x, self.weight(name, w.T)], outputs=outputs)
+            return out
+        table, scales = self.quantized(name, w)
+        return self.matmul_nbits(x, table, scales, *w.shape, outputs=outputs)
+
+    def quantized(self, name: str, w: torch.Tensor, shape: tuple[int, ...] | None = None
+                  ) -> tuple[str, str]:
+        """w's blocks and scales stored as ``name``_Q<bits> (in ``shape`` if given) and
+        ``name``_scales."""
+        packed, scales = quantize_blocks(w, self.bits)
+        if shape:
+            packed = packed.reshape(shape)
+        return (self.weight(f"{name}_Q{self.bits}", packed, counted=False),
+                self.weight(f"{name}_scales", scales, counted=False))
+
+    def matmul_nbits(self, x: str, table: str, scales: str, n: int, k: int,
+                     outputs: list[str] | int = 1) -> str:
+        level = {"accuracy_level": INT8_COMPUTE} if self.int8_compute else {}
+        (out,) = self.node("MatMulNBits", [x, table, scales], outputs=outputs, domain=_MS, K=k,
+                           N=n, bits=self.bits, block_size=QUANT_BLOCK_SIZE, **level)
+        return out
+
+    def skip_norm(self, name: str, x: str, skip: str, norm: str) -> tuple[str, str]:
+        """(RMSNorm(x + skip), x + skip); ``norm`` names the checkpoint's weight."""
         normed, _, _, total = self.node(
-            "SkipSimplifiedLayerNormalization", [x, skip, self.weight(name, norm.weight)],
+            "SkipSimplifiedLayerNormalization", [x, skip, self.weight(name, self.tensors.read(norm))],
             outputs=4, domain=_MS, epsilon=float(self.eps),
         )
         return normed, total
@@ -142,9 +212,9 @@ class _Builder:
     def build(self):
         from onnx import TensorProto, helper
 
-        cfg, inner = self.config, self.model.model
+        cfg = self.config
         self.eps = getattr(cfg, "rms_norm_eps", 1e-6)
-        kv_heads, head_dim, layers = cfg.num_key_value_heads, _head_dim(cfg), len(inner.layers)
+        kv_heads, head_dim, layers = cfg.num_key_value_heads, _head_dim(cfg), cfg.num_hidden_layers
 
         # seqlens_k = (tokens covered after this run) - 1; total = that count, both int32
         (mask_sum,) = self.node("ReduceSum", ["attention_mask", self.weight("axis1", np.array([1]))],
@@ -156,29 +226,35 @@ class _Builder:
         (total_len,) = self.node("Cast", [total_len64], to=TensorProto.INT32)
         cos, sin = self.rotary_caches(head_dim)
 
-        embed = self.weight("embed", inner.embed_tokens.weight)
-        (x,) = self.node("Gather", [embed, "input_ids"])
+        x, table = self.embedding()
         residual = None
-        for i, layer in enumerate(inner.layers):
+        start = time.perf_counter()
+        for i in range(layers):
+            layer = f"model.layers.{i}"
             if residual is None:
                 (normed,) = self.node(
                     "SimplifiedLayerNormalization",
-                    [x, self.weight(f"l{i}.in_norm", layer.input_layernorm.weight)],
+                    [x, self.weight(f"l{i}.in_norm",
+                                    self.tensors.read(f"{layer}.input_layernorm.weight"))],
                     axis=-1, epsilon=float(self.eps),
                 )
                 residual = x
             else:
                 normed, residual = self.skip_norm(f"l{i}.in_norm", x, residual,
-                                                  layer.input_layernorm)
-            attn = layer.self_attn
-            qkv = self.linear(f"l{i}.qkv", normed, attn.q_proj, attn.k_proj, attn.v_proj)
+                                                  f"{layer}.input_layernorm.weight")
+            attn = f"{layer}.self_attn"
+            qkv = self.linear(f"l{i}.qkv", normed, f"{attn}.q_proj", f"{attn}.k_proj",
+                              f"{attn}.v_proj")
             context = self.attention(i, qkv, seqlens_k, total_len, cos, sin)
-            x = self.linear(f"l{i}.o", context, attn.o_proj)
+            x = self.linear(f"l{i}.o", context, f"{attn}.o_proj")
             normed, residual = self.skip_norm(f"l{i}.post_norm", x, residual,
-                                              layer.post_attention_layernorm)
-            x = self.mlp(i, normed, layer.mlp)
-        normed, _ = self.skip_norm("final_norm", x, residual, inner.norm)
-        self.lm_head(normed, embed)
+                                              f"{layer}.post_attention_layernorm.weight")
+            x = self.mlp(i, normed, f"{layer}.mlp")
+            trim()
+            self.progress(f"layer {i + 1}/{layers} written: {self.store.written / 2**20:,.0f} MB, "
+                          f"{time.perf_counter() - start:.0f} s")
+        normed, _ = self.skip_norm("final_norm", x, residual, "model.norm.weight")
+        self.lm_head(normed, table)
 
         inputs = [
             helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "sequence_length"]),
@@ -197,21 +273,53 @@ class _Builder:
         return helper.make_graph(self.nodes, "edgespec_fused_decoder", inputs, outputs,
                                  self.store.initializers)
 
-    def lm_head(self, normed: str, embed: str) -> None:
-        """logits = normed @ W^T; a tied W is the embedding table, read transposed by Gemm.
-        With token_ids, W is the rows of those tokens only."""
+    def embedding(self) -> tuple[str, tuple[str, ...]]:
+        """The Gather of input_ids' rows, and the stored table a tied output layer reads.
+
+        int4 (hidden a whole number of blocks): a GatherBlockQuantized over uint8 ``[V, H/2]``
+        with its default zero point 8, the layout of MatMulNBits' blocks of the same table. A
+        tied table is stored once, as the output layer's MatMulNBits weight ``[V, H/32, 16]``,
+        and the Gather reads it through a Reshape. Otherwise the table in its stored type.
+        """
+        table = self.tensors.read(EMBED)  # [V, H]
+        vocab, hidden = table.shape
+        if self.bits == 4 and hidden % QUANT_BLOCK_SIZE == 0:
+            if self.tie:
+                data, scales = self.quantized("lm_head", table)
+                tied = (data, scales)
+                (data,) = self.node("Reshape", [data, self.weight(
+                    "tied.shape", np.array([vocab, hidden // 2]))], outputs=["tied.table"])
+                (scales,) = self.node("Reshape", [scales, self.weight(
+                    "tied.scale_shape", np.array([vocab, hidden // QUANT_BLOCK_SIZE]))],
+                    outputs=["tied.scales"])
+            else:
+                data, scales = self.quantized("embed", table, shape=(vocab, hidden // 2))
+                tied = ()
+            (x,) = self.node("GatherBlockQuantized", [data, "input_ids", scales], domain=_MS,
+                             block_size=QUANT_BLOCK_SIZE, gather_axis=0, quantize_axis=1)
+            return x, tied  # bits: the default, 4 (onnxruntime < 1.23 refuses the attribute)
+        embed = self.weight("embed", table)
+        (x,) = self.node("Gather", [embed, "input_ids"])
+        return x, (embed,) if self.tie else ()
+
+    def lm_head(self, normed: str, tied: tuple[str, ...]) -> None:
+        """logits = normed @ W^T. A tied W is the embedding's stored table: in int4 the same
+        MatMulNBits bytes, in float the table read transposed by Gemm. With token_ids, W is
+        the rows of those tokens only."""
         hidden, vocab = self.config.hidden_size, self.config.vocab_size
-        if not self.tie:
-            weight = self.model.get_output_embeddings().weight.detach()  # [V, hidden]
-            if self.token_ids is not None:
-                weight = weight[torch.from_numpy(self.token_ids)]  # [N, hidden]
-            head = weight.T  # [hidden, V or N]
-            self.node("MatMul", [normed, self.weight("lm_head", head)], outputs=["logits"])
+        if len(tied) == 2:  # int4: (blocks, scales)
+            self.matmul_nbits(normed, *tied, vocab, hidden, outputs=["logits"])
             return
-        (rows,) = self.node("Reshape", [normed, self.weight("rows", np.array([-1, hidden]))])
-        (flat,) = self.node("Gemm", [rows, embed], transB=1)  # [n, V]
-        self.node("Reshape", [flat, self.weight("logits_shape", np.array([1, -1, vocab]))],
-                  outputs=["logits"])
+        if tied:
+            (rows,) = self.node("Reshape", [normed, self.weight("rows", np.array([-1, hidden]))])
+            (flat,) = self.node("Gemm", [rows, tied[0]], transB=1)  # [n, V]
+            self.node("Reshape", [flat, self.weight("logits_shape", np.array([1, -1, vocab]))],
+                      outputs=["logits"])
+            return
+        weight = self.tensors.read(EMBED if is_tied(self.model) else HEAD)  # [V, hidden]
+        if self.token_ids is not None:
+            weight = weight[torch.from_numpy(self.token_ids.astype(np.int64))]  # [N, hidden]
+        self.matmul("lm_head", normed, weight, output="logits")
 
     def attention(self, i: int, qkv: str, seqlens_k: str, total_len: str, cos: str,
                   sin: str) -> str:
@@ -228,27 +336,29 @@ class _Builder:
         )
         return context
 
-    def mlp(self, i: int, x: str, mlp) -> str:
+    def mlp(self, i: int, x: str, mlp: str) -> str:
         """down(SiLU(gate(x)) * up(x)), gate and up in one MatMul."""
-        gate_up = self.linear(f"l{i}.gate_up", x, mlp.gate_proj, mlp.up_proj)
-        size = mlp.gate_proj.out_features
+        gate_up = self.linear(f"l{i}.gate_up", x, f"{mlp}.gate_proj", f"{mlp}.up_proj")
+        size = self.tensors.shape(f"{mlp}.gate_proj.weight")[0]
         gate, up = self.node("Split", [gate_up, self.weight(f"l{i}.split", np.array([size, size]))],
                              outputs=2, axis=-1)
         (sig,) = self.node("Sigmoid", [gate])
         (silu,) = self.node("Mul", [gate, sig])
         (act,) = self.node("Mul", [silu, up])
-        return self.linear(f"l{i}.down", act, mlp.down_proj)
+        return self.linear(f"l{i}.down", act, f"{mlp}.down_proj")
 
     def rotary_caches(self, head_dim: int) -> tuple[str, str]:
-        """cos/sin tables [max_positions, head_dim / 2], from the model's own rotary module.
+        """cos/sin tables [max_positions, head_dim / 2], from the model's own rotary module
+        (made afresh from the config: a skeleton's has no values).
 
         The module's output repeats each half (rotate-half layout); it already includes any
         static rope scaling of the checkpoint.
         """
+        rotary = type(self.model.model.rotary_emb)(config=self.config)
         positions = torch.arange(self.config.max_position_embeddings)[None]  # [1, P]
         dummy = torch.zeros(1, dtype=torch.float32)
         with torch.no_grad():
-            cos, sin = self.model.model.rotary_emb(dummy, positions)  # [1, P, head_dim]
+            cos, sin = rotary(dummy, positions)  # [1, P, head_dim]
         half = head_dim // 2
         return (self.weight("cos_cache", cos[0, :, :half].float()),
                 self.weight("sin_cache", sin[0, :, :half].float()))

@@ -32,6 +32,19 @@ def load_model(path: Path) -> PreTrainedModel:
     return model.eval()
 
 
+def meta_model(config) -> PreTrainedModel:
+    """The model's modules without weights, on PyTorch's meta device (no memory, no reading):
+    what tensors are tied, how many parameters there are, the classes of its layers and its
+    rotary embedding, for a checkpoint read one tensor at a time (export/tensors.py)."""
+    import copy
+
+    import torch
+
+    with torch.device("meta"), quiet():
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    return model.eval()
+
+
 def export_graph(model: PreTrainedModel, folder: Path) -> None:
     """Write ``folder/model.onnx`` (plus external data for models over 2 GB)."""
     from optimum.exporters.onnx import onnx_export_from_model

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 PROTOBUF_LIMIT = 2**31 - 2**26  # a .onnx file holds at most 2 GB; leave room for the graph
-EXTERNAL_ABOVE = 2**30  # graphs built here keep larger weights in model.onnx_data
+EXTERNAL_ABOVE = 2**26  # graphs built here keep larger weights in model.onnx_data: inline
+# weights are held until the protobuf is written, and copied twice then (graph, serialized)
 DATA_NAME = "model.onnx_data"
 _ALIGN = 4096  # external weights start on a page, so onnxruntime can map them
 _MIN_CAST_SIZE = 1024  # smaller float weights are stored as float32: a Cast costs more
@@ -35,6 +36,7 @@ class WeightStore:
     def __init__(self, folder: Path, external: bool, keep_precision: bool):
         self.initializers: list = []
         self.counts: Counter = Counter()  # float weights per stored type
+        self.written = 0  # bytes of weights stored so far
         self.keep_precision = keep_precision
         self._data = open(folder / DATA_NAME, "wb") if external else None
 
@@ -45,64 +47,67 @@ class WeightStore:
         if self._data:
             self._data.close()
 
-    def add(self, name: str, value, nodes: list) -> str:
+    def add(self, name: str, value, nodes: list, counted: bool = True) -> str:
         """Store ``value`` (a torch tensor or NumPy array) as ``name``; returns the name to use.
 
-        A Cast node, when one is needed, is appended to ``nodes``.
+        A Cast node, when one is needed, is appended to ``nodes``. ``counted``: a float weight
+        goes into ``counts`` (not the scales of quantized weights, which stay float32).
         """
         from onnx import TensorProto, helper
 
-        raw, data_type, dims = _raw(value, self.keep_precision)
-        if data_type in (TensorProto.BFLOAT16, TensorProto.FLOAT16) and int(np.prod(dims)) >= _MIN_CAST_SIZE:
+        array, data_type = _array(value, self.keep_precision)
+        dims = list(array.shape)
+        if data_type in (TensorProto.BFLOAT16, TensorProto.FLOAT16) and array.size >= _MIN_CAST_SIZE:
             stored = f"{name}.{'bf16' if data_type == TensorProto.BFLOAT16 else 'fp16'}"
             nodes.append(helper.make_node("Cast", [stored], [name], to=TensorProto.FLOAT,
                                           name=f"Cast_{stored}"))
         else:
             stored = name
             if data_type in (TensorProto.BFLOAT16, TensorProto.FLOAT16):  # small: upcast
-                raw, data_type = _upcast(raw, data_type), TensorProto.FLOAT
-        if data_type in (TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.FLOAT16):
+                array, data_type = _upcast(array, data_type), TensorProto.FLOAT
+        if counted and data_type in (TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.FLOAT16):
             self.counts[TensorProto.DataType.Name(data_type).lower()] += 1
         tensor = TensorProto(name=stored, data_type=data_type, dims=dims)
-        if self._data is None or len(raw) < _MIN_EXTERNAL_BYTES:  # shapes and axes stay inline:
-            # onnxruntime's shape inference reads them before external data is loaded
-            tensor.raw_data = raw
+        if self._data is None or array.nbytes < _MIN_EXTERNAL_BYTES:  # shapes and axes stay
+            # inline: onnxruntime's shape inference reads them before external data is loaded
+            tensor.raw_data = array.tobytes()
         else:
             offset = -self._data.tell() % _ALIGN + self._data.tell()
             self._data.seek(offset)
-            self._data.write(raw)
+            self._data.write(array.data)  # the array's own bytes, no copy
             tensor.data_location = TensorProto.EXTERNAL
             for key, val in (("location", DATA_NAME), ("offset", str(offset)),
-                             ("length", str(len(raw)))):
+                             ("length", str(array.nbytes))):
                 tensor.external_data.add(key=key, value=val)
+        self.written += array.nbytes
         self.initializers.append(tensor)
         return name
 
 
-def _raw(value, keep_precision: bool) -> tuple[bytes, int, list[int]]:
-    """(little-endian bytes, ONNX data type, dims) of a torch tensor or NumPy array."""
+def _array(value, keep_precision: bool) -> tuple[np.ndarray, int]:
+    """(a C-contiguous little-endian array, its ONNX data type) of a torch tensor or NumPy
+    array; bf16 travels as its uint16 bits."""
     from onnx import TensorProto, helper
 
     if hasattr(value, "detach"):  # a torch tensor
         import torch
 
         tensor = value.detach().contiguous()
-        dims = list(tensor.shape)
         if keep_precision and tensor.dtype == torch.bfloat16:
-            return tensor.view(torch.int16).numpy().tobytes(), TensorProto.BFLOAT16, dims
+            return tensor.view(torch.uint16).numpy(), TensorProto.BFLOAT16
         if keep_precision and tensor.dtype == torch.float16:
-            return tensor.numpy().tobytes(), TensorProto.FLOAT16, dims
+            return tensor.numpy(), TensorProto.FLOAT16
         value = tensor.float().numpy() if tensor.is_floating_point() else tensor.numpy()
     array = np.ascontiguousarray(value)
-    return array.tobytes(), helper.np_dtype_to_tensor_dtype(array.dtype), list(array.shape)
+    return array, helper.np_dtype_to_tensor_dtype(array.dtype)
 
 
-def _upcast(raw: bytes, data_type: int) -> bytes:
+def _upcast(array: np.ndarray, data_type: int) -> np.ndarray:
     from onnx import TensorProto
 
     if data_type == TensorProto.FLOAT16:
-        return np.frombuffer(raw, np.float16).astype(np.float32).tobytes()
-    return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).tobytes()  # bf16 -> f32
+        return array.astype(np.float32)
+    return (array.astype(np.uint32) << 16).view(np.float32)  # bf16 bits -> float32
 
 
 def write_graph(graph, folder: Path, opsets: list[tuple[str, int]]) -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
-import resource
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,8 +21,9 @@ import edgespec
 from edgespec.config import EXPORT_GRAPHS
 from edgespec.errors import ExportError
 from edgespec.export.destination import atomic_folder, check_destination
-from edgespec.export.fused import build_fused_graph, is_tied, why_not_fused
-from edgespec.export.graph import describe_graph, export_graph, load_model
+from edgespec.export.fused import build_fused_graph, why_not_fused
+from edgespec.export.graph import describe_graph, export_graph, load_model, meta_model
+from edgespec.export.memory import usage
 from edgespec.export.onnx_io import pin_ir_version
 from edgespec.export.precision import (
     DTYPES,
@@ -35,10 +34,12 @@ from edgespec.export.precision import (
 )
 from edgespec.export.pair import Checkpoint, check_pair, read_checkpoint
 from edgespec.export.runs import TARGET_COMPUTES, choose_runs
+from edgespec.export.tensors import CheckpointTensors, ModelTensors, safetensors_files
 from edgespec.export.vocab import TOKEN_IDS_NAME, coverage, frequent_tokens
 from edgespec.export.validate import (
     VALIDATIONS,
     reference_logits,
+    reference_logits_by_layer,
     validate_graph,
     validation_ids,
 )
@@ -153,15 +154,16 @@ def export_pair(
 def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: str,
                   validation: str, report: "_Steps", target_compute: str = "auto",
                   token_ids: np.ndarray | None = None) -> ModelSpec:
-    """Build, shrink and validate one graph, with one model in memory at a time.
+    """Build, shrink and validate one graph, with at most one model in memory at a time.
 
-    PyTorch's reference logits are computed right after the graph is written, and the model
-    is freed before anything else loads the graph (quantization, onnxruntime). A CPU target's
-    runs are then shaped (export/runs.py) before it is validated as it will run.
+    A fused graph is written from the checkpoint one tensor at a time, quantized as it is
+    written, and PyTorch's reference runs one layer at a time (``_write_fused``); optimum's
+    graph is exported from the loaded model, which computes the reference and is freed before
+    anything else loads the graph (``_write_optimum``). A CPU target's runs are then shaped
+    (export/runs.py) before it is validated as it will run.
     """
     folder = root / role
-    model = load_model(ckpt.path)
-    reason = why_not_fused(model)
+    reason = why_not_fused(ckpt.config)
     if graph == "auto":
         graph = "optimum" if reason else "fused"
         if reason:
@@ -169,37 +171,13 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
     if token_ids is not None and graph != "fused":
         raise ExportError(f"--draft-vocab needs edgespec's fused graph for the draft, and "
                           f"{reason or 'optimum was asked for'}; drop --draft-vocab")
-    report.detail(f"writing the {graph} graph")
-    if graph == "fused":
-        stored = build_fused_graph(model, folder, keep_precision=variant == "fp32",
-                                   token_ids=token_ids)
-    else:
-        export_graph(model.float(), folder)
-        pin_ir_version(folder)
-        stored = {}
-    about = {"architecture": model.config.model_type,
-             "parameters": sum(p.numel() for p in model.parameters())}
-    # one int4 table for embedding and output (not when the output scores a subset)
-    tied = graph == "fused" and is_tied(model) and token_ids is None
     ids = validation_ids(ckpt.tokenizer, ckpt.vocab_size,
                          min(VALIDATION_LENGTH, ckpt.max_positions))
-    if validation != "skip":
-        report.detail("computing PyTorch's reference logits")
-        expected = reference_logits(model, ids)
-        if token_ids is not None:
-            expected = expected[:, token_ids]  # the columns the graph scores
-    del model
-    gc.collect()
-
-    if variant == "fp16":
-        report.detail("converting to fp16")
-        convert_fp16(folder)
-    elif variant in QUANTIZATIONS:
-        report.detail(f"quantizing the weights to {variant}")
-        quantize_weights(folder, bits=int(variant[3:]), tied=tied, int8_compute=role == "draft")
-        stored = store_exact_halves(folder)  # what stayed float (int8: the embedding table)
-    elif graph == "optimum":
-        stored = store_exact_halves(folder)
+    write = _write_fused if graph == "fused" else _write_optimum
+    stored, about, expected, reference = write(ckpt, folder, role, variant, token_ids,
+                                               ids if validation != "skip" else None, report)
+    if token_ids is not None and expected is not None:
+        expected = expected[:, token_ids]  # the columns the graph scores
     spec = replace(describe_graph(folder, root, **about), graph=graph, stored=dict(stored),
                    quantization=variant if variant in QUANTIZATIONS else None,
                    compute="int8" if role == "draft" and variant in QUANTIZATIONS else "float")
@@ -214,7 +192,7 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
         return replace(spec, validation={"variant": variant, "skipped": True,
                                          **({"runs": runs} if runs else {})})
 
-    report.detail("validating against PyTorch")
+    report.detail(f"validating against PyTorch ({reference})")
     figures, failures = validate_graph(expected, ids, root, spec, ckpt.max_positions, variant,
                                        role)
     if failures and validation == "strict":
@@ -226,8 +204,73 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
     for failure in failures:
         report.detail(f"validation failed (--validate report): {failure}")
     report.detail(_figures_line(figures))
-    return replace(spec, validation={**figures, "failures": failures,
+    return replace(spec, validation={**figures, "reference": reference, "failures": failures,
                                      **({"runs": runs} if runs else {})})
+
+
+def _write_fused(ckpt: Checkpoint, folder: Path, role: str, variant: str,
+                 token_ids: np.ndarray | None, ids: np.ndarray | None, report: "_Steps"):
+    """Write the fused graph in its final precision; (stored types, about, reference logits,
+    how they were computed).
+
+    From the safetensors files a tensor at a time, the reference a layer at a time; a
+    checkpoint without them (pytorch_model.bin) is loaded whole, as optimum's is.
+    """
+    model = meta_model(ckpt.config)
+    if safetensors_files(ckpt.path):
+        tensors, loaded = CheckpointTensors(ckpt.path), None
+    else:
+        loaded = load_model(ckpt.path)
+        tensors = ModelTensors(loaded)
+    bits = int(variant[3:]) if variant in QUANTIZATIONS else None
+    report.detail(f"writing the fused graph ({variant}, "
+                  f"{'one tensor at a time' if loaded is None else 'from the loaded model'})")
+    stored = build_fused_graph(model, tensors, folder, keep_precision=variant != "fp16",
+                               bits=bits, int8_compute=bool(bits) and role == "draft",
+                               token_ids=token_ids, progress=report.detail)
+    about = {"architecture": ckpt.config.model_type,
+             "parameters": sum(p.numel() for p in model.parameters())}
+    expected = reference = None
+    if ids is not None and loaded is None:
+        reference = "PyTorch, layer by layer"
+        report.detail("computing PyTorch's reference logits, one layer at a time")
+        expected = reference_logits_by_layer(model, tensors, ids, progress=report.detail)
+    elif ids is not None:
+        reference = "PyTorch, whole model"
+        report.detail("computing PyTorch's reference logits")
+        expected = reference_logits(loaded, ids)
+    del model, tensors, loaded
+    gc.collect()
+    if variant == "fp16":
+        report.detail("converting to fp16")
+        convert_fp16(folder)
+    return stored, about, expected, reference
+
+
+def _write_optimum(ckpt: Checkpoint, folder: Path, role: str, variant: str,
+                   token_ids: np.ndarray | None, ids: np.ndarray | None, report: "_Steps"):
+    """Export optimum's graph from the loaded model, then shrink it; as ``_write_fused``."""
+    model = load_model(ckpt.path)
+    report.detail("writing the optimum graph")
+    export_graph(model.float(), folder)
+    pin_ir_version(folder)
+    about = {"architecture": model.config.model_type,
+             "parameters": sum(p.numel() for p in model.parameters())}
+    expected = reference = None
+    if ids is not None:
+        reference = "PyTorch, whole model"
+        report.detail("computing PyTorch's reference logits")
+        expected = reference_logits(model, ids)
+    del model
+    gc.collect()
+    if variant == "fp16":
+        report.detail("converting to fp16")
+        convert_fp16(folder)
+        return {}, about, expected, reference
+    if variant in QUANTIZATIONS:
+        report.detail(f"quantizing the weights to {variant}")
+        quantize_weights(folder, bits=int(variant[3:]), int8_compute=role == "draft")
+    return store_exact_halves(folder), about, expected, reference  # what stayed float
 
 
 def _figures_line(figures: dict) -> str:
@@ -297,18 +340,7 @@ class _Steps:
         start = time.perf_counter()
         yield
         self.progress(f"[{self.done}/{self.total}] done in {time.perf_counter() - start:.1f}s "
-                      f"({_memory()})")
+                      f"({usage()})")
 
     def detail(self, what: str) -> None:
-        self.progress(f"      {what} ({_memory()})")
-
-
-def _memory() -> str:
-    """Resident memory now and at its peak, for progress lines (Linux; elsewhere the peak)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-    try:
-        with open("/proc/self/statm") as statm:
-            now = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return f"peak memory {peak / 2**30:.1f} GB"
-    return f"memory {now / 2**30:.1f} GB, peak {peak / 2**30:.1f} GB"
+        self.progress(f"      {what} ({usage()})")

@@ -3,9 +3,11 @@
 Every variant is validated against PyTorch afterwards (``validate.py``) with the tolerance of
 its kind, and the measured deviation goes into the manifest.
 
-Quantization is weight-only (onnxruntime's MatMulNBits, block-wise, symmetric): activations
-are kept in float32 between operators, and quantized, when at all, row by row inside a
-MatMulNBits, so a row of logits does not depend on the other tokens of its run. Dynamic int8
+Quantization is weight-only (onnxruntime's MatMulNBits, block-wise, symmetric): the fused
+builder quantizes each weight as it writes it (``quantize_blocks``, the bytes onnxruntime's
+quantizer would make), optimum's graphs go through onnxruntime's quantizer (``quantize_weights``).
+Activations are kept in float32 between operators, and quantized, when at all, row by row inside
+a MatMulNBits, so a row of logits does not depend on the other tokens of its run. Dynamic int8
 quantization (``quantize_dynamic``) quantizes activations with one scale per tensor, which
 makes a token's logits depend on the other tokens of the same run: the target's verify run and
 a plain target step would then disagree, and speculative output would no longer equal
@@ -101,9 +103,10 @@ def convert_fp16(folder: Path) -> None:
     _save(convert_float_to_float16(_load(folder), keep_io_types=False), folder)
 
 
-def quantize_weights(folder: Path, bits: int, tied: bool = False,
-                     int8_compute: bool = False) -> None:
-    """Block-wise symmetric weight-only quantization of every MatMul and the embedding table.
+def quantize_weights(folder: Path, bits: int, int8_compute: bool = False) -> None:
+    """Block-wise symmetric weight-only quantization of every MatMul and the embedding table,
+    with onnxruntime's quantizer, for graphs written by optimum (the fused builder quantizes as
+    it writes: ``quantize_blocks``).
 
     MatMuls become MatMulNBits, the embedding Gather becomes GatherBlockQuantized (blocks along
     the hidden axis): an int4 package holds no full-precision copy of the vocabulary.
@@ -123,57 +126,49 @@ def quantize_weights(folder: Path, bits: int, tied: bool = False,
     )
     with quiet(log), np.errstate(divide="ignore", invalid="ignore"):  # all-zero blocks: scale 0
         quantizer.process()
-    model = quantizer.model.model
-    if tied and bits == 4:
-        share_tied_table(model)
-    _save(model, folder)
+    _save(quantizer.model.model, folder)
 
 
-def share_tied_table(model) -> bool:
-    """Let the embedding Gather read the output layer's int4 table: a tied table stored once.
+def quantize_blocks(weight, bits: int, rows: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """A Linear weight ``[N, K]`` (torch, any float type) as MatMulNBits stores it: the bytes
+    ``[N, K/32, 32 * bits / 8]`` (uint8) and the scales ``[N, K/32]`` (float32).
 
-    The output layer's MatMulNBits holds W^T = the embedding table quantized in blocks along the
-    hidden axis, [V, H/32 blocks, 16 bytes], 4-bit values biased by 8, low nibble first: the
-    layout GatherBlockQuantized reads from uint8 data [V, H/2] with its default zero point 8
-    (uint8 data: onnxruntime >= 1.22, the declared floor).
-    So the Gather's own int4 copy is dropped and it reads the same bytes through a Reshape.
-    Returns whether the graph was changed (a fused graph with a quantized head and embedding).
+    Bit for bit what onnxruntime's MatMulNBitsQuantizer makes of W^T with block_size 32 and
+    is_symmetric (MLAS's BlockwiseQuantizer, read in its source and checked by the tests):
+    per block of 32 inputs of one output, m = the value of largest magnitude (the negative one
+    on a tie), scale = -m / 2^(bits-1), q = clamp(roundf(w * (1 / scale) + 2^(bits-1)), 0,
+    2^bits - 1) in float32 (roundf: halves away from zero), two 4-bit values a byte, low
+    nibble first. The default zero point of MatMulNBits and GatherBlockQuantized (8 or 128)
+    undoes the bias. K is padded to a whole block as the quantizer pads it (zeros, whose
+    bytes stay 0).
+    ``rows`` outputs at a time bound the float32 temporaries.
     """
-    from onnx import TensorProto, helper, numpy_helper
+    import torch
 
-    graph = model.graph
-    gather = next((n for n in graph.node if n.op_type == "GatherBlockQuantized"), None)
-    head = next((n for n in graph.node if n.op_type == "MatMulNBits" and n.output[0] == "logits"),
-                None)
-    if gather is None or head is None or len(head.input) > 3:  # zero points: not symmetric
-        return False
-    inits = {i.name: i for i in graph.initializer}
-    table, scales = inits[head.input[1]], inits[head.input[2]]
-    attrs = {a.name: helper.get_attribute_value(a) for a in head.attribute}
-    vocab, hidden, block = attrs["N"], attrs["K"], attrs["block_size"]
-    shape = numpy_helper.from_array(np.array([vocab, hidden // 2], dtype=np.int64), "tied.shape")
-    scale_shape = numpy_helper.from_array(np.array([vocab, hidden // block], dtype=np.int64),
-                                          "tied.scale_shape")
-    graph.initializer.extend([shape, scale_shape])
-    reshape = helper.make_node("Reshape", [table.name, shape.name], ["tied.table"])
-    reshape_scales = helper.make_node("Reshape", [scales.name, scale_shape.name], ["tied.scales"])
-    shared = helper.make_node(
-        "GatherBlockQuantized", ["tied.table", gather.input[1], "tied.scales"], list(gather.output),
-        name=gather.name, domain="com.microsoft", block_size=block, gather_axis=0,
-        quantize_axis=1,  # bits: the default, 4 (onnxruntime < 1.23 refuses the attribute)
-    )
-    dropped = set(gather.input[2:]) | {gather.input[0]}
-    position = list(graph.node).index(gather)
-    graph.node.remove(gather)
-    for offset, node in enumerate((reshape, reshape_scales, shared)):
-        graph.node.insert(position + offset, node)
-    for name in dropped:
-        graph.initializer.remove(inits[name])
-    if not any(i.data_type in (TensorProto.INT4, TensorProto.UINT4) for i in graph.initializer):
-        for opset in model.opset_import:  # the quantizer raised it to 21 for the int4 type only
-            if opset.domain in ("", "ai.onnx"):
-                opset.version = min(opset.version, 17)
-    return True
+    n, k = weight.shape
+    blocks = -(-k // QUANT_BLOCK_SIZE)
+    kept = -(-(k % QUANT_BLOCK_SIZE) * bits // 8)  # bytes of a partial last block that hold weights
+    half = float(1 << (bits - 1))
+    packed = torch.empty((n, blocks, QUANT_BLOCK_SIZE * bits // 8), dtype=torch.uint8)
+    scales = torch.empty((n, blocks), dtype=torch.float32)
+    for start in range(0, n, rows):
+        x = weight[start : start + rows].float()
+        if k % QUANT_BLOCK_SIZE:
+            x = torch.nn.functional.pad(x, (0, blocks * QUANT_BLOCK_SIZE - k))
+        x = x.reshape(len(x), blocks, QUANT_BLOCK_SIZE)
+        high, low = x.amax(-1), x.amin(-1)
+        scale = torch.where(high.abs() > low.abs(), high, low).neg_().div_(half)
+        reciprocal = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
+        x.mul_(reciprocal[..., None]).add_(half)
+        whole = torch.floor(x)
+        q = whole.add_(x.sub_(whole) >= 0.5).clamp_(0, 2 * half - 1).to(torch.uint8)  # roundf
+        if bits == 4:
+            q = q[..., 0::2] | (q[..., 1::2] << 4)
+        if kept:  # the padding's bytes stay 0, as the quantizer leaves them
+            q[:, -1, kept:] = 0
+        packed[start : start + rows] = q
+        scales[start : start + rows] = scale
+    return packed.numpy(), scales.numpy()
 
 
 def _load(folder: Path):

@@ -3,8 +3,11 @@ with and without the KV cache.
 
 The graph is run through the runtime's own ``ModelSession``, so validation also covers the
 feeds the runtime builds (position ids, attention mask, cache layout). PyTorch's logits are
-computed first (``reference_logits``) so that the model can be freed before onnxruntime loads
-the graph: a 1.5B model then never sits in memory twice.
+computed first so that the model is freed before onnxruntime loads the graph: from the loaded
+model (``reference_logits``, optimum's graphs), or for a fused graph one decoder layer at a time
+from the checkpoint (``reference_logits_by_layer``, the same figures in the memory of a layer),
+so that a 7B model is checked on a machine that could not hold it in float32. The manifest's
+``validation.reference`` says which.
 
 Two gates:
 - **fp32** graphs must reproduce PyTorch's logits: max |difference| / max(1, max |logit|) within
@@ -25,11 +28,13 @@ whose kernels differ slightly with the number of rows; a broken cache still fail
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 
 from edgespec.config import EXPORT_VALIDATIONS
+from edgespec.export.memory import trim
 from edgespec.manifest import ModelSpec
 from edgespec.runtime.providers import SessionConfig
 from edgespec.runtime.session import ModelSession
@@ -70,6 +75,59 @@ def reference_logits(model, ids: np.ndarray) -> np.ndarray:
     model.float()
     with torch.no_grad():
         return model(torch.from_numpy(ids)[None]).logits[0].float().numpy()
+
+
+def reference_logits_by_layer(model, tensors, ids: np.ndarray,
+                              progress=lambda line: None) -> np.ndarray:
+    """``reference_logits`` with one decoder layer in memory at a time, for Llama-family models.
+
+    model: the model's modules on the meta device (graph.meta_model); tensors: its weights
+    (export/tensors.py). The steps of the model's own forward (LlamaModel.forward: embedding,
+    causal mask, rotary embedding, the layers, the final norm, the output layer) with the same
+    modules in float32, each layer's weights read, run and dropped: the same figures as the
+    whole model (the tests compare them) in the memory of one layer in float32 plus a slice
+    of the output layer. Only the ``ids``' rows of the embedding table are read.
+    """
+    import torch
+    from transformers.masking_utils import create_causal_mask
+
+    inner, config = model.model, model.config
+    layers = config.num_hidden_layers
+    start = time.perf_counter()
+    with torch.no_grad():
+        hidden = tensors.rows("model.embed_tokens.weight", ids).float()[None]  # [1, n, H]
+        positions = torch.arange(len(ids))
+        rotary = type(inner.rotary_emb)(config=config)
+        position_embeddings = rotary(hidden, positions[None])
+        mask = create_causal_mask(config=config, input_embeds=hidden, attention_mask=None,
+                                  cache_position=positions, past_key_values=None,
+                                  position_ids=positions[None])
+        for i, layer in enumerate(inner.layers[:layers]):
+            _materialize(layer, tensors, f"model.layers.{i}.")
+            hidden = layer(hidden, attention_mask=mask, position_ids=positions[None],
+                           position_embeddings=position_embeddings)
+            layer.to_empty(device="meta")  # drop the layer's weights
+            trim()
+            progress(f"PyTorch reference: layer {i + 1}/{layers}, "
+                     f"{time.perf_counter() - start:.0f} s")
+        _materialize(inner.norm, tensors, "model.norm.")
+        hidden = inner.norm(hidden)[0]  # [n, H]
+        inner.norm.to_empty(device="meta")
+        head = ("model.embed_tokens.weight" if model.get_output_embeddings().weight
+                is model.get_input_embeddings().weight else "lm_head.weight")
+        table = tensors.read(head)  # [V, H] in its stored type
+        logits = torch.cat([torch.nn.functional.linear(hidden, table[rows : rows + _HEAD_ROWS].float())
+                            for rows in range(0, len(table), _HEAD_ROWS)], dim=-1)
+    return logits.numpy()
+
+
+_HEAD_ROWS = 16384  # output rows upcast at a time
+
+
+def _materialize(module, tensors, prefix: str) -> None:
+    """Give a meta ``module`` its float32 weights from the checkpoint."""
+    state = {name: tensors.read(prefix + name).float() for name in module.state_dict()}
+    module.load_state_dict(state, assign=True)
 
 
 def validate_graph(
