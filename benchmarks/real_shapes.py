@@ -61,23 +61,106 @@ SHAPES = {
 }
 
 
+SHAPES |= {
+    "qwen2.5-3b": dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008,
+                       num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                       vocab_size=151936, tie_word_embeddings=True,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       vocab_size=152064, tie_word_embeddings=False,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "llama-3.2-3b": dict(model_type="llama", hidden_size=3072, intermediate_size=8192,
+                         num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+                         vocab_size=128256, tie_word_embeddings=True,
+                         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         rope_scaling={"factor": 32.0, "high_freq_factor": 4.0,
+                                       "low_freq_factor": 1.0,
+                                       "original_max_position_embeddings": 8192,
+                                       "rope_type": "llama3"}),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         vocab_size=128256, tie_word_embeddings=False,
+                         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         rope_scaling={"factor": 8.0, "high_freq_factor": 4.0,
+                                       "low_freq_factor": 1.0,
+                                       "original_max_position_embeddings": 8192,
+                                       "rope_type": "llama3"}),
+}
+SHARD_BYTES = 2 * 10**9  # a checkpoint is written in shards of about this size
+_ROWS = 4096  # rows of a tensor drawn at a time (bounds the float32 temporary)
+
+
 def make_checkpoint(name: str, out: Path, seed: int = 0) -> Path:
-    """Save a random ``name``-shaped model (bf16) with a small tokenizer into ``out``."""
+    """Save a random ``name``-shaped model (bf16) with a small tokenizer into ``out``.
+
+    Written shard by shard, a tensor at a time, as from_pretrained's initialisation draws
+    them (Linear and Embedding weights normal(0, 0.02), norms 1, biases 0): the whole model
+    is never in memory, so a 7B-8B checkpoint is made in ~2 GB. The names and shapes come
+    from the model's modules on the meta device.
+    """
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     shape = dict(SHAPES[name])
     config = AutoConfig.for_model(shape.pop("model_type"), **shape, bos_token_id=0,
-                                  eos_token_id=0, pad_token_id=0, initializer_range=0.02)
-    torch.manual_seed(seed)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        model = AutoModelForCausalLM.from_config(config).eval()
-    finally:
-        torch.set_default_dtype(torch.float32)
-    model.generation_config.eos_token_id = 0
-    model.save_pretrained(out)
+                                  eos_token_id=0, pad_token_id=0, initializer_range=0.02,
+                                  dtype="bfloat16")
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = skeleton.state_dict()  # a tied output layer is the embedding: saved once
+    if skeleton.get_output_embeddings().weight is skeleton.get_input_embeddings().weight:
+        names.pop("lm_head.weight", None)
+    out.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    shards: list[dict] = [{}]  # tensors of the shard being filled; names only once written
+    filled = total = 0
+    for tensor_name, meta in names.items():
+        size = meta.numel() * 2
+        if filled and filled + size > SHARD_BYTES:
+            _save_shard(shards, out, save_file)
+            shards.append({})
+            filled = 0
+        shards[-1][tensor_name] = _draw(tensor_name, meta.shape, generator)
+        filled, total = filled + size, total + size
+    _save_shard(shards, out, save_file)
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for i, file in enumerate(files):  # named once the count is known
+        (out / f"shard-{i}.safetensors").rename(out / file)
+    weight_map = {tensor: files[i] for i, shard in enumerate(shards) for tensor in shard}
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    config.save_pretrained(out)
+    GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0).save_pretrained(out)
+    _save_tokenizer(out)
+    return out
+
+
+def _draw(name: str, shape, generator) -> "torch.Tensor":
+    import torch
+
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, dtype=torch.bfloat16)
+    tensor = torch.empty(shape, dtype=torch.bfloat16)
+    for start in range(0, shape[0], _ROWS):
+        rows = tensor[start : start + _ROWS]
+        rows.copy_(torch.randn(rows.shape, generator=generator).mul_(0.02))
+    return tensor
+
+
+def _save_shard(shards: list[dict], out: Path, save_file) -> None:
+    """Write the last shard (as shard-<i>) and drop its tensors, keeping their names."""
+    i = len(shards) - 1
+    save_file(shards[i], str(out / f"shard-{i}.safetensors"), metadata={"format": "pt"})
+    shards[i] = dict.fromkeys(shards[i])
+
+
+def _save_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -87,7 +170,6 @@ def make_checkpoint(name: str, out: Path, seed: int = 0) -> Path:
     backend.train_from_iterator([Path(__file__).read_text()] * 4, trainer)
     PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>",
                             eos_token="<|endoftext|>", pad_token="<|endoftext|>").save_pretrained(out)
-    return out
 
 
 # --- what is run -------------------------------------------------------------------------------

@@ -86,3 +86,25 @@ def test_measure_assemble_and_tables(rs, packages, tmp_path):
     table = rs.markdown(results, [pair], info).splitlines()
     rows = [line for line in table if line.startswith(f"| {pair.name} |")]
     assert len(rows) == 1 + len(rs.SAMPLINGS)  # one cost row, a speedup row per sampling
+
+
+def test_checkpoints_are_made_shard_by_shard_and_load(rs, tmp_path, monkeypatch):
+    """A tied and an untied shape, in shards (SHARD_BYTES made small): from_pretrained loads
+    them, with the public shapes' distributions (norms 1, weights ~ N(0, 0.02))."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(rs, "SHARD_BYTES", 200_000)
+    for name, tied in (("tiny-qwen2", True), ("tiny-llama", False)):
+        base = rs.SHAPES["qwen2.5-0.5b" if tied else "llama-3.1-8b"]
+        monkeypatch.setitem(rs.SHAPES, name, {**base, "hidden_size": 64, "intermediate_size": 96,
+                                              "num_hidden_layers": 2, "num_attention_heads": 4,
+                                              "num_key_value_heads": 2, "vocab_size": 1100})
+        path = rs.make_checkpoint(name, tmp_path / name)
+        assert len(list(path.glob("model-*-of-*.safetensors"))) >= 2
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+        weights = {name: p.detach() for name, p in model.named_parameters()}
+        assert model.dtype == torch.bfloat16
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+        assert torch.equal(weights["model.norm.weight"], torch.ones(64, dtype=torch.bfloat16))
+        assert abs(float(weights["model.layers.1.mlp.down_proj.weight"].float().std()) - 0.02) < 2e-3
