@@ -158,6 +158,18 @@ def _save_shard(shards: list[dict], out: Path, save_file) -> None:
     shards[i] = dict.fromkeys(shards[i])
 
 
+# The tokenizer's training text: fixed, so that checkpoints made at different times pair (it was
+# this script's own text, so a checkpoint made after an edit of the script did not pair with one
+# made before; copy tokenizer*.json and special_tokens_map.json from one of those to pair them).
+TOKENIZER_TEXT = [
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n",
+    "import numpy as np\nx = np.zeros((3, 4), dtype=np.float32)\nprint(x.shape)\n",
+    "The quick brown fox jumps over the lazy dog. One, two, three, four, five.",
+    "Speculative decoding drafts tokens with a small model and verifies them with a large one.",
+]
+
+
 def _save_tokenizer(out: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -167,7 +179,7 @@ def _save_tokenizer(out: Path) -> None:
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator([Path(__file__).read_text()] * 4, trainer)
+    backend.train_from_iterator(TOKENIZER_TEXT * 20, trainer)
     PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>",
                             eos_token="<|endoftext|>", pad_token="<|endoftext|>").save_pretrained(out)
 
