@@ -443,6 +443,18 @@ def resident_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * RSS_UNIT
 
 
+def anonymous_bytes() -> int:
+    """This process's anonymous resident memory (Linux RssAnon; 0 elsewhere): what the system
+    cannot take back without swap. File-backed pages are the rest of RSS, e.g. the int4 scales
+    onnxruntime keeps mapped after packing them for int8 compute (x86)."""
+    try:
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith("RssAnon:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration):
+        return 0
+
+
 def measure(package: Path, setting: Setting, context: int, steps: int,
             sampling_tokens: int) -> dict:
     """Load ``package`` as ``setting`` says and time it; every time in milliseconds."""
@@ -457,7 +469,7 @@ def measure(package: Path, setting: Setting, context: int, steps: int,
     pipe = edgespec.load(package, target=target, draft=draft)
     result = {"setting": asdict(setting), "cores": cores, "draft_threads": draft.threads,
               "load_s": time.perf_counter() - start, "rss_before_load": before,
-              "rss_after_load": resident_bytes()}
+              "rss_after_load": resident_bytes(), "rss_anon_after_load": anonymous_bytes()}
     result.update(time_steps(pipe, context, steps, setting.target_tokens))
     if setting.sampling and sampling_tokens:
         result["sampling"] = {name: sampling_costs(pipe, sampling_tokens, KMAX, settings)
@@ -554,6 +566,7 @@ def costs(runs: dict[str, list[dict]]) -> dict:
         "draft_step_no_spin_ms": pooled_median(r["draft_ms"] for r in runs["target-no-spin"]),
         "load_s": median(r["load_s"] for r in every),
         "rss_after_load": median(r["rss_after_load"] for r in every),
+        "rss_anon_after_load": median(r.get("rss_anon_after_load", 0) for r in every),
         "peak_bytes": max(r["peak_bytes"] for r in every),
         "children": {name: len(rs) for name, rs in runs.items()},
     }
