@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import _hf_tokenizer, _save, _train_bpe
 
+from edgespec.errors import ExportError
 from edgespec.export import export_pair
 from edgespec.export.fused import build_fused_graph
 from edgespec.export.graph import load_model, meta_model
@@ -66,6 +67,27 @@ def _streamed(path: Path):
     from transformers import AutoConfig
 
     return meta_model(AutoConfig.from_pretrained(path)), CheckpointTensors(path)
+
+
+def test_tensors_are_read_from_sharded_checkpoints_as_saved(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = _checkpoint(tmp_path / "one", "qwen2", torch.bfloat16, 5, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    tensors = CheckpointTensors(tmp_path / "sharded")
+    state = model.state_dict()
+    for name in ("model.layers.1.self_attn.q_proj.bias", "model.layers.0.mlp.down_proj.weight",
+                 "model.norm.weight"):
+        assert name in tensors and tensors.read(name).dtype == torch.bfloat16
+        assert torch.equal(tensors.read(name), state[name])
+    ids = np.array([5, 0, 399, 5])
+    assert torch.equal(tensors.rows("model.embed_tokens.weight", ids),
+                       state["model.embed_tokens.weight"][torch.from_numpy(ids)])
+    assert "lm_head.weight" not in tensors  # tied: saved once
+    with pytest.raises(ExportError, match="has no tensor lm_head.weight"):
+        tensors.read("lm_head.weight")
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -177,6 +199,7 @@ def test_a_fused_export_never_loads_the_model_whole(checkpoints, tmp_path, monke
 
 _EXPORT = """
 import sys
+from edgespec.errors import ExportError
 from edgespec.export import export_pair
 export_pair(sys.argv[1], None, sys.argv[2], quantize="int4")
 print([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1])

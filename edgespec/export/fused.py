@@ -103,7 +103,7 @@ def build_fused_graph(model: PreTrainedModel, tensors, folder: Path, keep_precis
     head_rows = 0 if tie or not tied else (
         len(token_ids) if token_ids is not None else model.config.vocab_size)
     external = _stored_bytes(model, tensors, keep_precision, bits, head_rows) > EXTERNAL_ABOVE
-    with WeightStore(folder, external=external, keep_precision=keep_precision or bool(bits)) as store:
+    with WeightStore(folder, external=external, keep_precision=keep_precision) as store:
         builder = _Builder(model, tensors, store, tie=tie, bits=bits, int8_compute=int8_compute,
                            token_ids=token_ids, progress=progress or (lambda line: None))
         graph = builder.build()
