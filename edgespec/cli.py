@@ -10,6 +10,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -253,7 +254,9 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
               help="Back the prompt off its last token and let the first generated token "
                    "regrow it (a prompt ending in a space or a newline, say).")
 @click.option("--provider", default="auto", show_default=True,
-              type=click.Choice(PROVIDERS))
+              type=click.Choice(PROVIDERS),
+              help="Where the models run: auto takes TensorRT, then CUDA, then the CPU, as "
+                   "onnxruntime offers them; the stats line says which ran.")
 @click.option("--draft-provider", type=click.Choice(PROVIDERS),
               help="Where the draft runs, if not where the target does.")
 @click.option("--json", "as_json", is_flag=True, help="Print text and stats as one JSON object.")
@@ -269,6 +272,11 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
     if len(args) > 2:
         raise click.ClickException(
             f"expected [PACKAGE] PROMPT, got {len(args)} arguments; quote the prompt"
+        )
+    if len(args) == 1 and Path(args[0]).is_dir():
+        raise click.ClickException(
+            f"{args[0]} is a folder and no prompt was given; run edgespec generate "
+            f"{shlex.quote(args[0])} \"your prompt\" (a lone argument is the demo's prompt)"
         )
     package, prompt = (Path(args[0]), args[1]) if len(args) == 2 else (_demo_package(), args[0])
 
@@ -297,17 +305,21 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
         click.echo("warning: --top-k and --top-p do nothing at temperature 0 (greedy); "
                    "give --temperature to sample", err=True)
     stream = pipe.stream(prompt, config)
+    ran_on = {role: session.providers[0] for role, session in
+              (("target", pipe.target), ("draft", pipe.draft)) if session is not None}
     if as_json:
         text = "".join(stream)
         result = {"prompt": prompt, "text": text, "token_ids": stream.result.token_ids,
-                  "stats": stream.result.stats.as_dict()}
+                  "stats": stream.result.stats.as_dict(), "providers": ran_on}
         click.echo(json.dumps(result))
         return
     for piece in stream:
         click.echo(piece, nl=False)
         sys.stdout.flush()
     click.echo()
-    click.echo(stream.result.stats.summary(), err=True)
+    where = ", ".join(f"{role} on {name.removesuffix('ExecutionProvider')}"
+                      for role, name in ran_on.items())
+    click.echo(f"{stream.result.stats.summary()}; {where}", err=True)
 
 
 def _demo_package() -> Path:
@@ -326,13 +338,14 @@ def _ints(text: str) -> tuple[int, ...]:
 
 @main.command()
 @click.argument("package", required=False, type=click.Path(path_type=Path))
-@click.option("--gamma", "gammas", default="1,2,3,4,6,8", show_default=True,
-              help="Draft lengths to compare, comma-separated.")
+@click.option("--gamma", "gammas", default="2,4,8", show_default=True,
+              help="Draft lengths to compare, comma-separated (the largest is the adaptive "
+                   "schedule's most, as generate's --gamma).")
 @click.option("--temperature", "temperatures", default="0,0.7,1", show_default=True,
               help="Temperatures, comma-separated.")
-@click.option("--schedule", "schedules", default="fixed", show_default=True,
+@click.option("--schedule", "schedules", default="adaptive,fixed", show_default=True,
               help="Draft-length schedules, comma-separated: fixed runs every --gamma; "
-                   "heuristic and adaptive run once with the largest.")
+                   "heuristic and adaptive (generate's default) run once with the largest.")
 @click.option("--drafter", "drafters", default="auto", show_default=True,
               help="Drafters to compare, comma-separated: model, ngram, auto (model if the "
                    "package has one, else ngram); each against target-only runs.")
@@ -370,9 +383,12 @@ def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, 
     benchmark.check_drafters(pipe, config)
     prompts = benchmark.read_prompts(prompts_file or package / benchmark.PROMPTS_NAME)
     total = benchmark.total_runs(config, len(prompts))
-    with click.progressbar(length=total, label="benchmarking", file=sys.stderr) as bar:
-        report = benchmark.run_bench(pipe, prompts, config, progress=lambda n: bar.update(n - bar.pos),
-                                     command=shlex.join(["edgespec", *sys.argv[1:]]))
+    click.echo(f"benchmarking {package}: {total} generations of {max_new_tokens} tokens "
+               f"({len(prompts)} prompts x {repeats} repeats x {len(config.temperatures)} "
+               f"temperatures x {total // (len(prompts) * repeats * len(config.temperatures))} "
+               "settings, target-only included)", err=True)
+    report = benchmark.run_bench(pipe, prompts, config, progress=_ProgressLines(total),
+                                 command=shlex.join(["edgespec", *sys.argv[1:]]))
     click.echo(benchmark.format_table(report))
     if json_out:
         json_out.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
@@ -380,6 +396,33 @@ def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, 
     if plot_out:
         benchmark.plot(report, plot_out)
         click.echo(f"wrote {plot_out}", err=True)
+
+
+class _ProgressLines:
+    """Progress of a long command on stderr, one line every EVERY seconds and at the end:
+    done / total, elapsed, and the time left at the rate so far (works in logs, not only on a
+    terminal, where click's progress bar stays silent)."""
+
+    EVERY = 10.0  # seconds between lines
+
+    def __init__(self, total: int):
+        self.total = total
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, done: int) -> None:
+        now = time.monotonic()
+        if now - self.last < self.EVERY and done < self.total:
+            return
+        self.last = now
+        elapsed = now - self.start
+        left = elapsed / done * (self.total - done) if done else 0.0
+        click.echo(f"  {done}/{self.total} generations, {_duration(elapsed)} elapsed"
+                   + (f", about {_duration(left)} left" if done < self.total else ""), err=True)
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
 @main.command()

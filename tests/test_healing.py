@@ -4,7 +4,6 @@ prompt's last one from the target's restricted row, exactly as target-only decod
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -76,20 +75,15 @@ def test_the_index_equals_a_scan_on_any_strings(texts, prefix):
     assert np.array_equal(PrefixIndex(texts).extending(prefix), brute_force(texts, prefix))
 
 
-def test_the_index_of_a_large_vocabulary_is_quick():
-    """151,643 random texts (Qwen2's vocabulary size): sorting them and one query."""
+def test_the_index_of_a_large_vocabulary_answers_as_a_scan():
+    """151,643 random texts (Qwen2's vocabulary size). Its speed is measured in README's
+    healing notes, not asserted here."""
     rng = np.random.default_rng(0)
     alphabet = np.array(list("abcdefghijklmnopqrstuvwxyz_ (){}:\n.,é"))
     texts = ["".join(rng.choice(alphabet, rng.integers(1, 9))) for _ in range(151_643)]
-    start = time.perf_counter()
     index = PrefixIndex(texts)
-    built = time.perf_counter() - start
-    start = time.perf_counter()
-    allowed = index.extending("a")
-    query = time.perf_counter() - start
-    assert np.array_equal(allowed, brute_force(texts, "a"))
-    print(f"\n151,643 texts: sorted in {built * 1e3:.0f} ms, a query in {query * 1e6:.0f} us")
-    assert built < 5 and query < 0.01
+    for prefix in ("a", "ab", "é", "\n."):
+        assert np.array_equal(index.extending(prefix), brute_force(texts, prefix))
 
 
 # ---------------------------------------------------------------------------------------------

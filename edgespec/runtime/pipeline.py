@@ -397,14 +397,14 @@ def make_config(config: GenerationConfig | None = None,
 
 
 def load(
-    path: str | Path,
+    path: str | Path | None = None,
     provider: str = "auto",
     draft_provider: str | None = None,
     target: SessionConfig | None = None,
     draft: SessionConfig | None = None,
     calibration_cache: bool = True,
 ) -> Pipeline:
-    """Load an exported package.
+    """Load an exported package (``path`` None: the bundled demo pair).
 
     provider: where both models run ("auto", "cpu", "cuda", "tensorrt"); draft_provider, if
     given, overrides it for the draft (a tiny draft can stay on the CPU next to a GPU target).
@@ -412,4 +412,8 @@ def load(
     calibration_cache: read the adaptive schedule's step costs from, and store them in, the
         user's cache folder (runtime/calibration.py); False measures them in this process.
     """
+    if path is None:
+        from edgespec.models import demo_package
+
+        path = demo_package()
     return Pipeline(path, target, draft, provider, draft_provider, calibration_cache)
