@@ -65,6 +65,7 @@ class RecipeConfig:
     weight_decay: float = 0.1
     hard_loss_weight: float = 0.0  # draft loss = (1 - w) KL(p || q) + w cross-entropy
     distill_top_k: int = 64  # the target's likeliest tokens kept per position (distill.py)
+    distill_generated_tokens: int = 1_000_000  # the target's own continuations to distil on
     target_minutes: float = 72.0
     draft_minutes: float = 14.0
     heldout_fraction: float = 0.05
@@ -82,6 +83,10 @@ class RecipeConfig:
         _require(
             1 <= self.distill_top_k <= self.vocab_size,
             f"distill_top_k must be in 1..vocab_size, got {self.distill_top_k}",
+        )
+        _require(
+            self.distill_generated_tokens >= 0,
+            f"distill_generated_tokens must be >= 0, got {self.distill_generated_tokens}",
         )
         for name in ("target_lr", "draft_lr", "target_minutes", "draft_minutes"):
             _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
