@@ -38,10 +38,9 @@ class Served:
         def read() -> None:  # drained all along: a full pipe would block the server's logging
             for line in self.process.stderr:
                 self.lines.append(line)
-                found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
-                if found:
+                found = re.search(r"^serving .* at http://127\.0\.0\.1:(\d+)/v1", line)
+                if found:  # printed once the socket listens
                     self.port = int(found.group(1))
-                if "startup complete" in line:
                     ready.set()
             ready.set()
 

@@ -163,11 +163,13 @@ class Pipeline:
             return None
         return heal(prompt_ids, self.tokenizer, self.special_ids, lambda: self.prefix_index)
 
-    def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None, **settings) -> TextStream:
+    def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None,
+               prompt_ids: list[int] | None = None, **settings) -> TextStream:
         """Generate, yielding text pieces as they are decoded. Settings as for ``generate``;
-        ``prompt`` as for ``encode``: text or token ids (never healed)."""
+        ``prompt`` as for ``encode``: text or token ids (never healed). ``prompt_ids``: what
+        ``encode(prompt)`` returned, for a caller that tokenized the prompt already."""
         config = make_config(config, self.default_sampling, **settings)
-        prompt_ids = self.encode(prompt)
+        prompt_ids = self.encode(prompt) if prompt_ids is None else prompt_ids
         limit = self.manifest.max_positions
         if len(prompt_ids) >= limit:
             raise GenerationError(
