@@ -18,6 +18,7 @@ from edgespec.manifest import Manifest
 from edgespec.runtime import calibration
 from edgespec.runtime.drafters import resolve_drafter
 from edgespec.runtime.healing import Healing, PrefixIndex, heal
+from edgespec.runtime.package_checks import check_tokenizer
 from edgespec.runtime.schedule import (
     AdaptiveSchedule,
     FixedSchedule,
@@ -336,6 +337,7 @@ def load_tokenizer(folder: Path, manifest: Manifest) -> Tokenizer:
         for i in ids:
             if i is not None and tokenizer.id_to_token(i) is None:
                 raise ManifestError(f"{name} {i} is not a token of {path}; re-export the pair")
+    check_tokenizer(path, tokenizer, manifest.tokenizer_fingerprint)
     return tokenizer
 
 

@@ -10,6 +10,7 @@ import onnxruntime as ort
 from edgespec.errors import ManifestError
 from edgespec.manifest import ModelSpec
 from edgespec.runtime.kv_cache import InPlaceKVCache, KVCache
+from edgespec.runtime.package_checks import check_graph_io, check_probe_run
 from edgespec.runtime.providers import SessionConfig, fallback_warning, provider_chain
 
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -45,10 +46,12 @@ class ModelSession:
         self.providers = self.session.get_providers()
         self.warning = warning or fallback_warning(chain, self.providers)
         self.vocab_size = vocab_size
+        check_graph_io(path, spec, vocab_size, self.session.get_inputs(), self.session.get_outputs())
         self._read_graph(spec)
         self.in_place = spec.graph == "fused"
         self.max_positions = max_positions
         self.device = "cuda" if self.providers[0] != "CPUExecutionProvider" else "cpu"
+        check_probe_run(path, self)  # a graph that cannot decode fails here, not at a request
 
     def _read_graph(self, spec: ModelSpec) -> None:
         inputs = {i.name: i for i in self.session.get_inputs()}
