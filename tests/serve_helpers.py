@@ -29,3 +29,21 @@ def with_chat_template(checkpoint: Path, out: Path) -> Path:
     config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(config))
     return out
+
+
+def with_template(package: Path, out: Path, source: str) -> Path:
+    """A copy of an exported package whose chat_template.jinja is ``source``."""
+    shutil.copytree(package, out)
+    (out / "chat_template.jinja").write_text(source)
+    return out
+
+
+def with_normalizer(package: Path, out: Path, normalizer: dict) -> Path:
+    """A copy of an exported package whose tokenizer has ``normalizer`` (its vocabulary, and
+    so its fingerprint, unchanged)."""
+    shutil.copytree(package, out)
+    path = out / "tokenizer.json"
+    raw = json.loads(path.read_text())
+    raw["normalizer"] = normalizer
+    path.write_text(json.dumps(raw))
+    return out

@@ -143,6 +143,8 @@ def build_app(pipe: Pipeline, config: ServeConfig | None = None) -> Starlette:
             await renderer.start()
         yield
         server.stop()  # no-op when the server (server.py) began to stop already
+        if renderer is not None:
+            await renderer.close()
         await asyncio.to_thread(worker.close, 2.0)  # a running round ends first
 
     routes = [

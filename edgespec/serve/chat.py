@@ -153,7 +153,10 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(
                 f"the chat template {self.name} refused the messages: {_one_line(e)}") from None
-        except Exception as e:  # RecursionError, OverflowError, MemoryError, a filter's fault
+        except MemoryError:  # past the rendering process's limit (render.py)
+            raise ChatTemplateError(f"the chat template {self.name} ran out of memory "
+                                    "rendering the conversation") from None
+        except Exception as e:  # RecursionError, OverflowError, a filter's fault
             raise ChatTemplateError(f"the chat template {self.name} failed "
                                     f"({type(e).__name__}: {_one_line(e)})") from None
         return "".join(pieces)

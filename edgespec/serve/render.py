@@ -37,6 +37,7 @@ class TemplateProcess:
         self._hello = json.dumps({"source": source, "special_tokens": template.special_tokens,
                                   "name": template.name, "max_chars": template.max_chars})
         self._process: asyncio.subprocess.Process | None = None
+        self._killed: list[asyncio.subprocess.Process] = []  # to reap in close()
         self._lock: asyncio.Lock | None = None
 
     async def render(self, messages: list[dict]) -> str:
@@ -87,11 +88,19 @@ class TemplateProcess:
         async with self._lock:
             await self._started()
 
+    async def close(self) -> None:
+        """End the child and wait for it, so that nothing of it outlives the event loop."""
+        self.kill()
+        for process in self._killed:
+            await process.wait()
+        self._killed.clear()
+
     def kill(self) -> None:
         """End the child now (the next render starts another)."""
-        if self._process is not None and self._process.returncode is None:
+        if self._process is not None:
             with contextlib.suppress(ProcessLookupError):
                 self._process.kill()
+            self._killed.append(self._process)
         self._process = None
 
 
@@ -120,9 +129,6 @@ def main() -> None:
             reply = {"text": template.render(json.loads(line))}
         except ChatTemplateError as e:
             reply = {"error": str(e)}
-        except MemoryError:
-            reply = {"error": f"the chat template {hello['name']} ran out of memory rendering "
-                              "the conversation"}
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
 
