@@ -388,7 +388,9 @@ def test_a_full_queue_is_a_429_with_retry_after(demo):
             while app.state.server.worker.counts()["running"] == 0:
                 await asyncio.sleep(0.01)
             refused = await http.post("/v1/completions", json={**body, "max_tokens": 2})
-            return refused, await long
+            long = await long
+        await app.state.server.text.close()  # no lifespan here: the child is ours to end
+        return refused, long
 
     refused, long = asyncio.run(scenario())
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"

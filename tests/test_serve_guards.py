@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
+import shutil
 
 import httpx
 import pytest
@@ -189,29 +189,40 @@ def test_tokenize_and_detokenize(client, demo):
 
 def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(demo):
     app = build_app(demo)
-    limit = app.state.server.max_prompt_chars
+    server = app.state.server
+    limit = server.max_prompt_chars
     assert limit == 512 * 45  # the context window times the longest token (45 characters)
-    calls, real = [], demo.tokenizer
+    calls, encode = [], server.text.encode
 
-    class Counting:  # the tokenizer, counting its encodes
-        def __getattr__(self, name):
-            return getattr(real, name)
+    async def counting(text):
+        calls.append(len(text))
+        return await encode(text)
 
-        def encode(self, *args, **kwargs):
-            calls.append(len(args[0]))
-            return real.encode(*args, **kwargs)
-
+    server.text.encode = counting
     with client_for(app) as c:
-        app.state.server.pipe.tokenizer = Counting()
-        try:
-            response = c.post("/v1/completions", json=body(prompt="x" * (limit + 1)))
-            error = assert_openai_error(response, 400, "context_length_exceeded")
-            assert f"{limit + 1} characters" in error["message"] and error["param"] == "prompt"
-            assert calls == []
-            fits = c.post("/v1/completions", json=body(prompt="x" * 100))
-            assert fits.status_code == 200 and calls == [100]  # tokenized once
-        finally:
-            app.state.server.pipe.tokenizer = real
+        response = c.post("/v1/completions", json=body(prompt="x" * (limit + 1)))
+        error = assert_openai_error(response, 400, "context_length_exceeded")
+        assert f"{limit + 1} characters" in error["message"] and error["param"] == "prompt"
+        assert calls == []
+        fits = c.post("/v1/completions", json=body(prompt="x" * 100))
+        assert fits.status_code == 200 and calls == [100]  # tokenized once
+
+
+@pytest.mark.parametrize("name", ["demo", "bos"])
+def test_the_child_tokenizes_as_the_pipeline_does(demo, chat_package, tmp_path, name):
+    if name == "bos":  # a package whose tokenizer adds BOS to plain prompts
+        pkg = tmp_path / "bos"
+        shutil.copytree(chat_package, pkg)
+        manifest = json.loads((pkg / "edgespec.json").read_text())
+        (pkg / "edgespec.json").write_text(json.dumps({**manifest, "add_bos_token": True}))
+        pipe, model = edgespec.load(pkg), "bos"
+    else:
+        pipe, model = demo, "demo"
+    prompts = [PROMPT, " leading space", "Grüße 東京 🙂\n\tx", "<|endoftext|>x"]
+    with client_for(build_app(pipe)) as c:
+        for prompt in prompts:
+            out = c.post("/tokenize", json={"model": model, "prompt": prompt}).json()
+            assert out["tokens"] == pipe.encode(prompt), prompt
 
 
 def test_max_tokens_is_capped_by_the_server(demo):
@@ -234,33 +245,30 @@ def test_tokenizing_holds_a_place_in_the_queue(demo):
     """Requests are admitted before their prompts are tokenized: with one place, a second
     request while the first is still being tokenized is a 429."""
     app = build_app(demo, ServeConfig(queue=0))
-    entered, release, real = threading.Event(), threading.Event(), demo.tokenizer
-
-    class Slow:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def encode(self, *args, **kwargs):
-            entered.set()
-            release.wait(10)
-            return real.encode(*args, **kwargs)
+    server = app.state.server
+    encode = server.text.encode
 
     async def scenario():
+        entered, release = asyncio.Event(), asyncio.Event()
+
+        async def slow(text):
+            entered.set()
+            await release.wait()
+            return await encode(text)
+
+        server.text.encode = slow
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
             first = asyncio.create_task(http.post("/v1/completions", json=body()))
-            while not entered.is_set():
-                await asyncio.sleep(0.01)
-            assert app.state.server.worker.counts()["waiting"] == 1
+            await entered.wait()
+            assert server.worker.counts()["waiting"] == 1
             second = await http.post("/v1/completions", json=body())
             release.set()
-            return second, await first
+            first = await first
+        await server.text.close()
+        return second, first
 
-    app.state.server.pipe.tokenizer = Slow()
-    try:
-        second, first = asyncio.run(scenario())
-    finally:
-        app.state.server.pipe.tokenizer = real
+    second, first = asyncio.run(scenario())
     assert_openai_error(second, 429, "queue_full")
     assert first.status_code == 200
 
@@ -270,7 +278,7 @@ def test_a_tokenizer_panic_is_a_500_not_a_hung_request(tmp_path):
                           {"type": "Replace", "pattern": {"Regex": "(a+)+b"}, "content": "b"})
     with client_for(build_app(edgespec.load(pkg))) as c:
         response = c.post("/v1/completions", json=body(prompt="a" * 40))
-        error = assert_openai_error(response, 500, "native_error")
+        error = assert_openai_error(response, 500, "tokenizer_error")
         assert "PanicException" in error["message"]
         assert c.post("/v1/completions", json=body()).status_code == 200  # it goes on
         assert c.get("/health").json()["waiting"] == 0  # the place was given back

@@ -15,9 +15,9 @@ JSON, 429 queue full (with Retry-After), 500 a fault in edgespec, its package or
 library, 503 the server is stopping. What every request passes first is in middleware.py.
 
 A request takes its place in the queue (worker.py) as soon as its body is read, before its
-prompt is tokenized or its template rendered, and both run off the event loop: in a daemon
-thread, and in the template's child process (render.py). Whatever waits for them gives up with
-a 503 when the server starts to stop.
+prompt is tokenized or its template rendered, and both run in a child process
+(text_process.py) that is killed past a time limit; whatever waits for it gives up with a 503
+when the server starts to stop.
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -42,12 +41,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgespec.errors import EdgespecError, ManifestError
-from edgespec.runtime.pipeline import GenerationResult, Pipeline, check_ids
+from edgespec.runtime.pipeline import GenerationResult, Pipeline, check_ids, check_text
 from edgespec.serve import middleware
 from edgespec.serve.chat import ChatTemplate, ChatTemplateError
 from edgespec.serve.config import ServeConfig
 from edgespec.serve.metrics import Metrics, RequestMetrics
-from edgespec.serve.render import TemplateProcess
+from edgespec.serve.text_process import TextProcess, TokenizerError
 from edgespec.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -103,7 +102,7 @@ class Server:
     config: ServeConfig
     worker: Worker
     template: ChatTemplate | None
-    renderer: TemplateProcess | None
+    text: TextProcess  # tokenizing and chat templates, in a child process
     metrics: Metrics
     max_prompt_chars: int  # no longer text can fit the context window
     created: int = field(default_factory=lambda: int(time.time()))
@@ -111,12 +110,11 @@ class Server:
 
     def stop(self) -> None:
         """Begin to stop (on the event loop): refuse new work, cancel every generation and
-        render, and wake whatever waits for a tokenizer; answers under way then finish with
-        503 ``shutting_down`` (a stream: an error event and ``[DONE]``)."""
+        render or tokenizing; answers under way then finish with 503 ``shutting_down`` (a
+        stream: an error event and ``[DONE]``)."""
         self.stopping.set()
         self.worker.stop()
-        if self.renderer is not None:
-            self.renderer.kill()
+        self.text.kill()
 
 
 def build_app(pipe: Pipeline, config: ServeConfig | None = None) -> Starlette:
@@ -125,26 +123,24 @@ def build_app(pipe: Pipeline, config: ServeConfig | None = None) -> Starlette:
     config = config or ServeConfig()
     max_chars = pipe.manifest.max_positions * longest_token(pipe)
     template = ChatTemplate.of_package(pipe.path, pipe.manifest, max_chars)
-    renderer = None
-    if template is not None:
-        source = (pipe.path / pipe.manifest.chat_template).read_text(encoding="utf-8")
-        renderer = TemplateProcess(template, source, config.template_timeout_s)
+    source = None if template is None else (
+        pipe.path / pipe.manifest.chat_template).read_text(encoding="utf-8")
+    text = TextProcess(pipe.path, template, source, config.template_timeout_s,
+                       config.tokenize_timeout_s)
     paths = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
              "/tokenize", "/detokenize"}
     metrics = Metrics(paths)
     worker = Worker(config.queue, on_result=metrics.record)
     metrics.watch_queue(worker.counts)
     server = Server(pipe, config.model or pipe.path.resolve().name, config, worker, template,
-                    renderer, metrics, max_chars)
+                    text, metrics, max_chars)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        if renderer is not None:
-            await renderer.start()
+        await text.start()
         yield
         server.stop()  # no-op when the server (server.py) began to stop already
-        if renderer is not None:
-            await renderer.close()
+        await text.close()
         await asyncio.to_thread(worker.close, 2.0)  # a running round ends first
 
     routes = [
@@ -200,7 +196,7 @@ async def completions(server: Server, request: Request) -> Response:
     max_tokens = _max_tokens(server, body.max_tokens, "max_tokens") or COMPLETION_MAX_TOKENS
     _check_chars(server, prompt, "prompt")
     async with _admitted(server) as job:
-        ids = await _off_loop(server, _encode, server, prompt, "prompt")
+        ids = await _prompt_ids(server, prompt, "prompt")
         # text goes to the pipeline as text, which token healing needs (ids are never healed)
         _start(server, job, body, prompt, ids, max_tokens)
     return await _respond(server, request, body, job, chat=False)
@@ -233,7 +229,7 @@ async def tokenize(server: Server, request: Request) -> JSONResponse:
             ids = await _chat_ids(server, body.messages)
         else:
             _check_chars(server, body.prompt, "prompt")
-            ids = await _off_loop(server, _encode, server, body.prompt, "prompt")
+            ids = await _prompt_ids(server, body.prompt, "prompt")
     return JSONResponse({"tokens": ids, "count": len(ids),
                          "max_model_len": server.pipe.manifest.max_positions})
 
@@ -246,7 +242,7 @@ async def detokenize(server: Server, request: Request) -> JSONResponse:
     except EdgespecError as e:
         raise ApiError(400, str(e), "tokens") from None
     async with _admitted(server):
-        text = await _off_loop(server, server.pipe.tokenizer.decode, ids, False)
+        text = await _unless_stopping(server, server.text.decode(ids))
     return JSONResponse({"prompt": text})
 
 
@@ -371,31 +367,6 @@ async def _admitted(server: Server) -> AsyncIterator[Job]:
             server.worker.release(job)
 
 
-async def _off_loop(server: Server, fn: Callable, *args):
-    """``fn(*args)`` in a daemon thread (a busy tokenizer never holds up the exit), or a 503
-    when the server starts to stop first. A BaseException that is not an Exception (a Rust
-    panic) comes back as a NativeFault."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(value, error) -> None:
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(value)
-
-    def run() -> None:
-        try:
-            outcome = (fn(*args), None)
-        except Exception as e:
-            outcome = (None, e)
-        except BaseException as e:
-            outcome = (None, NativeFault(e))
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
-            loop.call_soon_threadsafe(settle, *outcome)
-
-    threading.Thread(target=run, name="edgespec-prepare", daemon=True).start()
-    return await _unless_stopping(server, future)
-
-
 async def _unless_stopping(server: Server, awaitable: Awaitable):
     """The awaitable's result, or a 503 (the awaitable cancelled) if the server stops first."""
     task = asyncio.ensure_future(awaitable)
@@ -410,31 +381,41 @@ async def _unless_stopping(server: Server, awaitable: Awaitable):
         raise _shutting_down()
     try:
         return task.result()
-    except NativeFault as e:
-        raise _native_fault(e) from None
+    except TokenizerError as e:
+        log.error("the tokenizer failed: %s", e)
+        raise ApiError(500, f"the model's tokenizer failed: {e}", None, "tokenizer_error",
+                       "server_error") from None
 
 
 async def _chat_ids(server: Server, messages: list) -> list[int]:
-    """The conversation rendered with the package's chat template (in its child process),
-    then its ids; every fault of the template a 400 naming it."""
+    """The conversation rendered with the package's chat template and tokenized (in the
+    child process); every fault of the template a 400 naming it."""
     try:
-        text = await _unless_stopping(server, server.renderer.render(
+        ids = await _unless_stopping(server, server.text.render(
             [m.as_template_input() for m in messages]))
     except ChatTemplateError as e:
         raise ApiError(400, str(e), "messages", "chat_template_error") from None
-    # the rendered text holds the template's special tokens (BOS too): none are added
-    return await _off_loop(server, _encode_rendered, server, text)
+    return _check_ids(server, ids, "messages")
 
 
-def _encode_rendered(server: Server, text: str) -> list[int]:
-    ids = server.pipe.tokenizer.encode(text, add_special_tokens=False).ids
-    return _encode(server, ids, "messages")
-
-
-def _encode(server: Server, prompt: str | list[int], param: str) -> list[int]:
-    """The prompt's ids, refused if they are not text or ids, or fill the context window."""
+async def _prompt_ids(server: Server, prompt: str | list[int], param: str) -> list[int]:
+    """The prompt's ids as Pipeline.encode makes them: text tokenized (in the child
+    process), ids checked to be in the vocabulary; refused if they fill the context."""
+    if isinstance(prompt, list):
+        return _check_ids(server, prompt, param)
     try:
-        ids = server.pipe.encode(prompt)
+        check_text(prompt)
+    except EdgespecError as e:
+        raise ApiError(400, str(e), param) from None
+    ids = await _unless_stopping(server, server.text.encode(prompt))
+    if not ids:
+        raise ApiError(400, f"the {param} is empty; give at least one character", param)
+    return _check_ids(server, ids, param)
+
+
+def _check_ids(server: Server, ids: list[int], param: str) -> list[int]:
+    try:
+        ids = check_ids(ids, server.pipe.manifest.vocab_size)
     except EdgespecError as e:
         raise ApiError(400, str(e), param) from None
     limit = server.pipe.manifest.max_positions

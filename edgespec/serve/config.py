@@ -34,6 +34,7 @@ class ServeConfig:
         so no page of another origin can read an answer or send JSON).
     api_key: when set, every request but GET /health needs ``Authorization: Bearer KEY``.
     template_timeout_s: the longest a chat template may take to render one conversation.
+    tokenize_timeout_s: the longest the tokenizer may take over one prompt.
     shutdown_s: on SIGTERM / Ctrl-C, how long answers already under way may take to finish
         after their generations were cancelled.
     """
@@ -50,6 +51,7 @@ class ServeConfig:
     allowed_origins: tuple[str, ...] = ()
     api_key: str | None = None
     template_timeout_s: float = 2.0
+    tokenize_timeout_s: float = 10.0
     shutdown_s: float = 3.0
 
     def __post_init__(self) -> None:
@@ -59,7 +61,7 @@ class ServeConfig:
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
         for name in ("request_timeout_s", "read_timeout_s", "keep_alive_s",
-                     "template_timeout_s", "shutdown_s"):
+                     "template_timeout_s", "tokenize_timeout_s", "shutdown_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")

@@ -7,7 +7,7 @@ another origin without a CORS preflight, which this server answers only for
 DNS-rebinding page reaches the server under its own name, which the Host check refuses. The
 checks are Starlette's own middleware, in this order (outermost first):
 
-    RequestId -> Metrics -> OpenAIErrors -> TrustedHostMiddleware -> CORSMiddleware
+    RequestId -> Metrics -> HeadLimit -> OpenAIErrors -> TrustedHostMiddleware -> CORSMiddleware
               -> AuthenticationMiddleware (bearer key) -> the routes
 """
 
@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from edgespec.serve.config import ServeConfig
 
+HEAD_BYTES = 16 * 1024  # the largest request line and headers: 431 past it
 OPEN_PATHS = ("/health",)  # answered without the API key: liveness probes carry none
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 # Starlette's plain-text refusals, said as OpenAI would say them: (message, code)
@@ -55,7 +56,7 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 def stack(config: ServeConfig) -> list[Middleware]:
     """The middleware for ``config``, outermost first (Metrics is added by the app)."""
-    layers = [Middleware(OpenAIErrors),
+    layers = [Middleware(HeadLimit), Middleware(OpenAIErrors),
               Middleware(TrustedHostMiddleware, allowed_hosts=list(config.allowed_hosts),
                          www_redirect=False)]
     if config.allowed_origins:
@@ -90,6 +91,27 @@ class RequestId:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class HeadLimit:
+    """431 for a request whose line and headers pass HEAD_BYTES. uvicorn's h11 refuses such a
+    head only while it is incomplete (server.py answers that 431); one that arrives whole in a
+    single read gets here."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + sum(
+                len(name) + len(value) + 4 for name, value in scope["headers"])
+            if size > HEAD_BYTES:
+                response = JSONResponse(error_body(
+                    f"the request line and headers are larger than {HEAD_BYTES} bytes",
+                    code="request_header_fields_too_large"), status_code=431,
+                    headers={"connection": "close"})
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class OpenAIErrors:

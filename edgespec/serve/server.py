@@ -31,10 +31,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from edgespec.errors import EdgespecError
 from edgespec.serve.config import ServeConfig
-from edgespec.serve.middleware import error_body
+from edgespec.serve.middleware import HEAD_BYTES, error_body
 
 EXIT_S = 4.5  # after the first signal, the process exits by then whatever still runs
-HEAD_BYTES = 16 * 1024  # the largest request line and headers: 431 past it
 log = logging.getLogger("edgespec.serve")
 
 
