@@ -189,3 +189,12 @@ def test_a_graph_with_wrong_kv_tensors_or_logits_is_refused(tmp_path, graph, mes
         load_tiny(path)
     assert str(error.value).startswith(str(path)) and message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_max_positions_beyond_the_rotary_tables_is_refused(packages, tmp_path):
+    pkg = copy_package(packages, tmp_path)  # fused graphs: GroupQueryAttention's cos_cache
+    manifest = Manifest.read(pkg)
+    assert manifest.target.graph == "fused"
+    edit_json(pkg / MANIFEST_NAME, lambda raw: raw.update(max_positions=manifest.max_positions + 1))
+    assert (f"has rotary tables for {manifest.max_positions} positions but the manifest's "
+            f"max_positions is {manifest.max_positions + 1}") in refused(pkg)

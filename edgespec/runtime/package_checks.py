@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +27,11 @@ PROBE = "".join(map(chr, range(32, 127))) + " \t\n é ß Ω Ж 東京 🙂 \u200
 GROWTH = 8  # the most characters a normalizer may make of one
 
 
-def check_graph_io(path: Path, spec, vocab_size: int, inputs: list, outputs: list) -> None:
+def check_graph_io(path: Path, spec, vocab_size: int, max_positions: int, inputs: list,
+                   outputs: list) -> None:
     """The graph's KV inputs and outputs and its logits, as onnxruntime declares them
-    (NodeArgs: ``name``, ``type``, ``shape``), against the manifest's ``spec``."""
+    (NodeArgs: ``name``, ``type``, ``shape``), against the manifest's ``spec``; a fused graph's
+    rotary tables must cover ``max_positions``."""
     declared = {arg.name: arg for arg in [*inputs, *outputs]}
     for name in [*spec.kv_inputs, *spec.kv_outputs]:
         arg = declared.get(name)
@@ -53,6 +56,80 @@ def check_graph_io(path: Path, spec, vocab_size: int, inputs: list, outputs: lis
     if isinstance(rows, int) and rows < max(vocab_size, spec.vocab_size):
         _refuse(path, f"has {rows} rows of logits but the manifest's vocab_size is "
                       f"{max(vocab_size, spec.vocab_size)}")
+    if spec.graph == "fused":
+        positions = rotary_positions(path)
+        if positions is None:
+            _refuse(path, "is a fused graph without its rotary table cos_cache")
+        if max_positions > positions:
+            _refuse(path, f"has rotary tables for {positions} positions but the manifest's "
+                          f"max_positions is {max_positions}")
+
+
+def rotary_positions(path: Path) -> int | None:
+    """The rows of a fused graph's ``cos_cache`` initializer (export/fused.py), read from the
+    ONNX protobuf without loading the weights (onnx is not a runtime dependency): ModelProto
+    field 7 is the graph, GraphProto field 5 its initializers, TensorProto field 1 the dims
+    (packed or not) and 8 the name. None if there is no such table."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        try:
+            for field, _, graph in _fields(data, 0, len(data)):
+                if field != 7:
+                    continue
+                for field, _, tensor in _fields(data, *graph):
+                    if field != 5:
+                        continue
+                    dims, name = [], ""
+                    for field, wire, value in _fields(data, *tensor):
+                        if field == 1:
+                            dims += _packed(data, *value) if wire == 2 else [value]
+                        elif field == 8:
+                            name = bytes(data[value[0]:value[1]]).decode("utf-8", "replace")
+                    if name == "cos_cache" or name.startswith("cos_cache."):
+                        return dims[0] if dims else None
+        except (IndexError, ValueError):  # not a protobuf: onnxruntime would have said so
+            return None
+    return None
+
+
+def _fields(data, start: int, end: int):
+    """(field number, wire type, value) of each field of the protobuf message in
+    ``data[start:end]``: an int for a varint, (start, end) for a length-delimited field."""
+    pos = start
+    while pos < end:
+        key, pos = _varint(data, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(data, pos)
+            yield field, wire, value
+        elif wire == 2:
+            length, pos = _varint(data, pos)
+            yield field, wire, (pos, pos + length)
+            pos += length
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"protobuf wire type {wire}")
+
+
+def _packed(data, start: int, end: int) -> list[int]:
+    values, pos = [], start
+    while pos < end:
+        value, pos = _varint(data, pos)
+        values.append(value)
+    return values
+
+
+def _varint(data, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("protobuf varint too long")
 
 
 def check_probe_run(path: Path, session) -> None:

@@ -46,7 +46,8 @@ class ModelSession:
         self.providers = self.session.get_providers()
         self.warning = warning or fallback_warning(chain, self.providers)
         self.vocab_size = vocab_size
-        check_graph_io(path, spec, vocab_size, self.session.get_inputs(), self.session.get_outputs())
+        check_graph_io(path, spec, vocab_size, max_positions, self.session.get_inputs(),
+                       self.session.get_outputs())
         self._read_graph(spec)
         self.in_place = spec.graph == "fused"
         self.max_positions = max_positions
