@@ -418,3 +418,21 @@ def test_a_hostile_template_is_a_400_naming_it(hostile, name):
         assert "\n" not in error["message"]
         health = c.get("/health").json()
         assert health["running"] == health["waiting"] == 0
+
+
+def test_usage_counts_the_users_prompt_not_the_healed_one(client, demo):
+    prompt = "for i in range(10):\n"  # ends on a newline token, which longer ones extend
+    out = client.post("/v1/completions", json=body(prompt=prompt, max_tokens=4)).json()
+    assert out["edgespec"]["healed"]  # the generation backed off the last token
+    assert out["edgespec"]["prompt_tokens"] == len(demo.encode(prompt)) - 1
+    assert out["usage"]["prompt_tokens"] == len(demo.encode(prompt))
+
+
+def test_a_chat_takes_at_most_the_servers_max_tokens_by_default(chat_package):
+    pipe = edgespec.load(chat_package)
+    with client_for(build_app(pipe, ServeConfig(max_tokens=5))) as c:
+        out = c.post("/v1/chat/completions", json={
+            "model": "chat", "messages": [{"role": "user", "content": "hi"}],
+            "ignore_eos": True}).json()
+    assert out["usage"]["completion_tokens"] == 5
+    assert out["choices"][0]["finish_reason"] == "length"
