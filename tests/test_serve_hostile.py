@@ -186,21 +186,30 @@ def stop_and_time(served: Served) -> tuple[int, float]:
     return code, time.monotonic() - start
 
 
+def wait_until(served: Served, ready, what: str, seconds: float = 20) -> None:
+    """Poll /health until ``ready(health)``; a scenario that never gets there fails."""
+    give_up = time.monotonic() + seconds
+    while not ready(served.health()):
+        assert time.monotonic() < give_up, f"never {what}: {served.health()}"
+        time.sleep(0.01)
+
+
 def test_sigterm_answers_requests_in_flight_with_503_and_ends_streams():
+    """One generation runs (the target alone, 480 tokens: about a second), a streamed one
+    waits behind it; SIGTERM then ends both, each in its own way."""
     served = Served()
     try:
-        long = {"model": "demo", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
-        with ThreadPoolExecutor(2) as pool:
+        long = {"model": "demo", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True,
+                "use_draft": False}
+        with ThreadPoolExecutor(1) as pool:
             whole = pool.submit(httpx.post, f"{served.url}/v1/completions", json=long,
                                 timeout=30)
+            wait_until(served, lambda h: h["running"] == 1, "running")
             with httpx.stream("POST", f"{served.url}/v1/completions",
                               json={**long, "stream": True}, timeout=30) as response:
-                lines = response.iter_lines()
-                next(lines)  # the stream is under way; the whole one waits behind it
-                while served.health()["waiting"] + served.health()["running"] < 2:
-                    time.sleep(0.01)
+                assert served.health()["running"] == 1, "the first ended too soon: rerun"
                 code, took = stop_and_time(served)
-                rest = [line for line in lines if line.startswith("data: ")]
+                rest = [line for line in response.iter_lines() if line.startswith("data: ")]
             answer = whole.result()
         assert code == 143 and took < 5, (code, took)
         assert answer.status_code == 503
@@ -222,8 +231,7 @@ def test_sigterm_exits_in_time_while_a_template_renders(chat_package, tmp_path):
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(httpx.post, f"{served.url}/v1/chat/completions", json=body,
                                  timeout=30)
-            while served.health()["waiting"] == 0:
-                time.sleep(0.01)
+            wait_until(served, lambda h: h["waiting"] == 1, "rendering")
             code, took = stop_and_time(served)
             answer = answer.result()
         assert code == 143 and took < 5, (code, took)
@@ -243,8 +251,7 @@ def test_sigterm_exits_in_time_while_a_tokenizer_is_busy(tmp_path):
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(httpx.post, f"{served.url}/v1/completions", json=body,
                                  timeout=60)
-            while served.health()["waiting"] == 0:
-                time.sleep(0.01)
+            wait_until(served, lambda h: h["waiting"] == 1, "tokenizing")
             time.sleep(0.5)  # well into the tokenizer
             code, took = stop_and_time(served)
             answer = answer.result()

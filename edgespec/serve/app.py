@@ -46,7 +46,6 @@ from edgespec.serve import middleware
 from edgespec.serve.chat import ChatTemplate, ChatTemplateError
 from edgespec.serve.config import ServeConfig
 from edgespec.serve.metrics import Metrics, RequestMetrics
-from edgespec.serve.text_process import TextProcess, TokenizerError
 from edgespec.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,6 +53,7 @@ from edgespec.serve.schemas import (
     Settings,
     TokenizeRequest,
 )
+from edgespec.serve.text_process import TextProcess, TokenizerError
 from edgespec.serve.worker import TIME_LIMIT, Busy, Cancelled, Closing, Job, NativeFault, Worker
 
 log = logging.getLogger("edgespec.serve")

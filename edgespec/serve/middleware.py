@@ -39,8 +39,8 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 # Starlette's plain-text refusals, said as OpenAI would say them: (message, code)
 _KNOWN_REFUSALS = {
     "Invalid host header": (
-        "the Host header names a host this server does not answer to; reach it by one of "
-        "its names (--allowed-hosts)", "host_not_allowed"),
+        ("the Host header names a host this server does not answer to; reach it by one of "
+         "its names (--allowed-hosts)"), "host_not_allowed"),
     "Disallowed CORS origin": (
         "this origin may not call the server (--allowed-origins)", "origin_not_allowed"),
     "Disallowed CORS method": ("this method is not allowed from another origin", None),

@@ -103,6 +103,7 @@ class TextProcess:
                 sys.executable, "-m", "edgespec.serve.text_process",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.DEVNULL, env=env,
+                start_new_session=True,  # Ctrl-C reaches the server, which ends the child
                 limit=12 * self.max_chars + 4096)  # a reply: the text or ids, as JSON
             self._process.stdin.write(self._hello.encode() + b"\n")
         return self._process
@@ -179,10 +180,22 @@ class _Child:
         return ids
 
 
+def _die_with_parent() -> None:
+    """Linux: the kernel kills the child when the server dies, even by SIGKILL, so that a
+    render stuck in a loop is not left behind (elsewhere it ends at its next read of stdin)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the server died before the call
+        sys.exit(0)
+
+
 def main() -> None:
     """The child: load the package's tokenizer and template, then answer each line."""
-    with contextlib.suppress(OSError, ValueError):  # not Linux: no limit, the timeouts stay
-        _limit_memory()
+    for setup in (_limit_memory, _die_with_parent):  # not Linux: the timeouts and the
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # server's kill stay
+            setup()
     child = _Child(json.loads(sys.stdin.readline()))
     for line in sys.stdin:
         try:
