@@ -295,7 +295,7 @@ def test_the_server_takes_token_healing_for_text_prompts(demo):
     from edgespec.serve import build_app
 
     prompt = "for i in range(10):\n"  # ends on a newline token, which longer ones extend
-    with TestClient(build_app(demo)) as client:
+    with TestClient(build_app(demo), base_url="http://localhost") as client:  # a loopback Host
         for healing in (True, False):
             out = client.post("/v1/completions", json={
                 "model": "demo", "prompt": prompt, "temperature": 0, "max_tokens": 12,

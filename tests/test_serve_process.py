@@ -3,62 +3,18 @@ plain, streamed and chat completions, 8 clients at once, a dropped stream, SIGTE
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
-from openai import OpenAI
+from serve_helpers import Served
 
 import edgespec
 from edgespec.models import demo_package
 
 PROMPT = "def fibonacci(n):"
-
-
-class Served:
-    """A running `edgespec serve` process, its port, and its stderr as it comes."""
-
-    def __init__(self, *args: str):
-        env = {**os.environ, "PYTHONPATH": str(Path(edgespec.__file__).parents[1])}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "edgespec", "serve", "--port", "0", *args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: list[str] = []
-        ready = threading.Event()
-        self.port = None
-
-        def read() -> None:  # drained all along: a full pipe would block the server's logging
-            for line in self.process.stderr:
-                self.lines.append(line)
-                found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
-                if found:
-                    self.port = int(found.group(1))
-                if "startup complete" in line:
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(60) or self.port is None:
-            self.stop()
-            raise RuntimeError("the server did not start:\n" + "".join(self.lines))
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.client = OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
-
-    def health(self) -> dict:
-        return httpx.get(f"{self.url}/health").json()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 import edgespec
 from edgespec.config import EXPORT_GRAPHS
@@ -43,6 +44,7 @@ from edgespec.export.validate import (
     validation_ids,
 )
 from edgespec.manifest import CHAT_TEMPLATE_NAME, Manifest, ModelSpec
+from edgespec.runtime.package_checks import tokenizer_fingerprint
 
 Progress = Callable[[str], None]
 GRAPHS = EXPORT_GRAPHS
@@ -246,6 +248,7 @@ def _write_package(
 ) -> Manifest:
     tokenizer = target.tokenizer
     tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+    saved = Tokenizer.from_file(str(tmp / "tokenizer.json"))  # as the runtime will load it
     template = _chat_template(tokenizer)
     if template is not None:
         (tmp / CHAT_TEMPLATE_NAME).write_text(template, encoding="utf-8")
@@ -258,6 +261,7 @@ def _write_package(
         bos_token_id=tokenizer.bos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         add_bos_token=_adds_bos(tokenizer),
+        tokenizer_fingerprint=tokenizer_fingerprint(saved),
         chat_template=None if template is None else CHAT_TEMPLATE_NAME,
         special_tokens=dict(tokenizer.special_tokens_map) if template is not None else {},
         generation=generation,

@@ -18,6 +18,7 @@ from edgespec.manifest import Manifest
 from edgespec.runtime import calibration
 from edgespec.runtime.drafters import make_drafter, resolve_drafter
 from edgespec.runtime.healing import Healing, PrefixIndex, heal
+from edgespec.runtime.package_checks import check_tokenizer
 from edgespec.runtime.schedule import (
     AdaptiveSchedule,
     FixedSchedule,
@@ -164,11 +165,13 @@ class Pipeline:
             return None
         return heal(prompt_ids, self.tokenizer, self.special_ids, lambda: self.prefix_index)
 
-    def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None, **settings) -> TextStream:
+    def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None,
+               prompt_ids: list[int] | None = None, **settings) -> TextStream:
         """Generate, yielding text pieces as they are decoded. Settings as for ``generate``;
-        ``prompt`` as for ``encode``: text or token ids (never healed)."""
+        ``prompt`` as for ``encode``: text or token ids (never healed). ``prompt_ids``: what
+        ``encode(prompt)`` returned, for a caller that tokenized the prompt already."""
         config = make_config(config, self.default_sampling, **settings)
-        prompt_ids = self.encode(prompt)
+        prompt_ids = self.encode(prompt) if prompt_ids is None else prompt_ids
         limit = self.manifest.max_positions
         if len(prompt_ids) >= limit:
             raise GenerationError(
@@ -337,6 +340,7 @@ def load_tokenizer(folder: Path, manifest: Manifest) -> Tokenizer:
         for i in ids:
             if i is not None and tokenizer.id_to_token(i) is None:
                 raise ManifestError(f"{name} {i} is not a token of {path}; re-export the pair")
+    check_tokenizer(path, tokenizer, manifest.tokenizer_fingerprint)
     return tokenizer
 
 
