@@ -27,6 +27,7 @@ from edgespec.config import (
     SCHEDULES,
     GenerationConfig,
     SamplingConfig,
+    resolve_sampling,
 )
 from edgespec.errors import EdgespecError
 from edgespec.serve.config import ServeConfig
@@ -302,7 +303,7 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
         token_healing=token_healing,
     )
     pipe = load(package, provider=provider, draft_provider=draft_provider)
-    config = replace(config, sampling=replace(pipe.default_sampling, **given))
+    config = replace(config, sampling=resolve_sampling(given, pipe.manifest.generation))
     if config.sampling.greedy and (top_k is not None or top_p is not None):
         click.echo("warning: --top-k and --top-p do nothing at temperature 0 (greedy); "
                    "give --temperature to sample", err=True)

@@ -24,9 +24,10 @@ PACKAGE_ENTRIES = frozenset(
     {MANIFEST_NAME, TOKENIZER_NAME, CHAT_TEMPLATE_NAME, PROMPTS_NAME, REPORT_NAME, "target",
      "draft"}
 )
-GRAPHS = ("optimum", "fused")  # optimum's exporter; edgespec's own (export/fused.py)
-DTYPES = ("float32", "float16")  # what a graph computes in
-QUANTIZATIONS = (None, "int8", "int4")
+# What a manifest may say of a graph (export offers its own choices: config.EXPORT_*)
+GRAPH_KINDS = ("optimum", "fused")  # optimum's exporter; edgespec's own (export/fused.py)
+GRAPH_DTYPES = ("float32", "float16")  # what a graph computes in
+WEIGHT_QUANTIZATIONS = (None, "int8", "int4")
 COMPUTES = ("float", "int8")  # what quantized MatMuls compute in
 
 
@@ -202,11 +203,11 @@ SPEC_FIELDS: dict[str, Check] = {
     "vocab_size": _COUNT,
     "kv_inputs": _NAMES,
     "kv_outputs": _NAMES,
-    "graph": _one_of(GRAPHS),
-    "dtype": _one_of(DTYPES),
+    "graph": _one_of(GRAPH_KINDS),
+    "dtype": _one_of(GRAPH_DTYPES),
     "stored": ("a JSON object of counts (string: integer >= 0)",
                lambda v: isinstance(v, dict) and all(_SIZE[1](n) for n in v.values())),
-    "quantization": _one_of(QUANTIZATIONS),
+    "quantization": _one_of(WEIGHT_QUANTIZATIONS),
     "compute": _one_of(COMPUTES),
     "min_run_tokens": ("an integer from 1 to 16", lambda v: _is_int(v) and 1 <= v <= 16),
     "parameters": _SIZE,

@@ -18,7 +18,7 @@ from edgespec.cli import main
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError
 from edgespec.models import demo_package
-from edgespec.runtime import pipeline, speculative
+from edgespec.runtime import speculative, text
 from edgespec.runtime.drafters import make_drafter
 from edgespec.runtime.healing import PrefixIndex, token_texts
 from edgespec.runtime.sampling import process_logits, process_row
@@ -214,7 +214,7 @@ def test_the_distribution_check_rejects_a_wrong_healing_step(pipes, monkeypatch,
     REMOVED[:] = [pipe.encode(PROMPT)[-1]]
     monkeypatch.setattr(speculative, "constrained_step", wrong)
     # the text check would refuse a first token that does not regrow the removed text
-    monkeypatch.setattr(pipeline, "_Unprefix", lambda prefix: lambda piece: piece)
+    monkeypatch.setattr(text, "Unprefix", lambda prefix: lambda piece: piece)
     samples = first_tokens(pipe, sampling, 2000, gamma=2, schedule="fixed")
     assert fit_pvalue(samples, exact_first_token(pipe, sampling)) < 1e-6
 

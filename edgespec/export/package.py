@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import math
 import os
-import resource
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,15 +20,13 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import edgespec
-from edgespec.config import EXPORT_GRAPHS
+from edgespec.config import EXPORT_DTYPES, EXPORT_GRAPHS, EXPORT_QUANTIZATIONS
 from edgespec.errors import ExportError
 from edgespec.export.destination import atomic_folder, check_destination
 from edgespec.export.fused import build_fused_graph, is_tied, why_not_fused
 from edgespec.export.graph import describe_graph, export_graph, load_model
 from edgespec.export.onnx_io import pin_ir_version
 from edgespec.export.precision import (
-    DTYPES,
-    QUANTIZATIONS,
     convert_fp16,
     quantize_weights,
     store_exact_halves,
@@ -47,7 +44,6 @@ from edgespec.manifest import CHAT_TEMPLATE_NAME, Manifest, ModelSpec
 from edgespec.runtime.package_checks import tokenizer_fingerprint
 
 Progress = Callable[[str], None]
-GRAPHS = EXPORT_GRAPHS
 VALIDATION_LENGTH = 32  # tokens compared against PyTorch
 
 
@@ -90,14 +86,15 @@ def export_pair(
         ``draft_vocab_texts`` (export/vocab.py; FR-Spec): a cheaper draft step, exact output.
     """
     out = Path(out)
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if quantize not in (None, *QUANTIZATIONS):
-        raise ExportError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
+    if dtype not in EXPORT_DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
+    if quantize not in (None, *EXPORT_QUANTIZATIONS):
+        raise ExportError(f"--quantize must be one of {', '.join(EXPORT_QUANTIZATIONS)}, "
+                          f"got {quantize!r}")
     if quantize and dtype != "fp32":
         raise ExportError("--quantize works on fp32 graphs; drop --dtype fp16 or --quantize")
-    if graph not in GRAPHS:
-        raise ExportError(f"--graph must be one of {', '.join(GRAPHS)}, got {graph!r}")
+    if graph not in EXPORT_GRAPHS:
+        raise ExportError(f"--graph must be one of {', '.join(EXPORT_GRAPHS)}, got {graph!r}")
     if target_compute not in TARGET_COMPUTES:
         raise ExportError(f"--target-compute must be one of {', '.join(TARGET_COMPUTES)}, "
                           f"got {target_compute!r}")
@@ -107,8 +104,9 @@ def export_pair(
     if validation not in VALIDATIONS:
         raise ExportError(f"--validate must be one of {', '.join(VALIDATIONS)}, got {validation!r}")
     draft_quantize = quantize if draft_quantize == "same" else draft_quantize
-    if draft_quantize not in (None, *QUANTIZATIONS):
-        raise ExportError(f"--draft-quantize must be one of none, {', '.join(QUANTIZATIONS)}, "
+    if draft_quantize not in (None, *EXPORT_QUANTIZATIONS):
+        raise ExportError("--draft-quantize must be one of none, "
+                          f"{', '.join(EXPORT_QUANTIZATIONS)}, "
                           f"got {draft_quantize!r}")
     if draft_quantize and dtype != "fp32":
         raise ExportError("--draft-quantize works on fp32 graphs; drop --dtype fp16")
@@ -196,15 +194,15 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
     if variant == "fp16":
         report.detail("converting to fp16")
         convert_fp16(folder)
-    elif variant in QUANTIZATIONS:
+    elif variant in EXPORT_QUANTIZATIONS:
         report.detail(f"quantizing the weights to {variant}")
         quantize_weights(folder, bits=int(variant[3:]), tied=tied, int8_compute=role == "draft")
         stored = store_exact_halves(folder)  # what stayed float (int8: the embedding table)
     elif graph == "optimum":
         stored = store_exact_halves(folder)
     spec = replace(describe_graph(folder, root, **about), graph=graph, stored=dict(stored),
-                   quantization=variant if variant in QUANTIZATIONS else None,
-                   compute="int8" if role == "draft" and variant in QUANTIZATIONS else "float")
+                   quantization=variant if variant in EXPORT_QUANTIZATIONS else None,
+                   compute="int8" if role == "draft" and variant in EXPORT_QUANTIZATIONS else "float")
     if token_ids is not None:
         np.save(folder / TOKEN_IDS_NAME, token_ids)
         spec = replace(spec, token_ids=f"{role}/{TOKEN_IDS_NAME}")
@@ -308,7 +306,12 @@ class _Steps:
 
 
 def _memory() -> str:
-    """Resident memory now and at its peak, for progress lines (Linux; elsewhere the peak)."""
+    """Resident memory now and at its peak, for progress lines (Linux; elsewhere the peak where
+    the platform has ``resource``, else nothing)."""
+    try:
+        import resource  # Unix only: Windows has no such module
+    except ImportError:
+        return "memory not measured on this platform"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
     try:
         with open("/proc/self/statm") as statm:

@@ -29,7 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 
 from pydantic import BaseModel, ValidationError
@@ -40,6 +40,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from edgespec.config import resolve_sampling
 from edgespec.errors import EdgespecError, ManifestError
 from edgespec.runtime.pipeline import GenerationResult, Pipeline, check_ids, check_text
 from edgespec.serve import middleware
@@ -432,10 +433,9 @@ OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}
 
 def _sampling(server: Server, body: Settings) -> dict:
     """The request's sampling settings; those it omits from the package's generation
-    defaults, else OpenAI's."""
-    given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k")
-             if getattr(body, name) is not None}
-    return {**OPENAI_SAMPLING, **server.pipe.manifest.generation, **given}
+    defaults, else OpenAI's (config.resolve_sampling)."""
+    given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k")}
+    return asdict(resolve_sampling(given, server.pipe.manifest.generation, OPENAI_SAMPLING))
 
 
 def _start(server: Server, job: Job, body: Settings, prompt: str | list[int],

@@ -1,7 +1,6 @@
 """Training on a wall-clock budget: the target on next-token loss, the draft distilled from it."""
 
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from edgespec.models.recipe.config import RecipeConfig
+from edgespec.runtime.machine import usable_cores
 from edgespec.models.recipe.distill import sparse_kl, target_continuations, teacher_targets
 from edgespec.models.recipe.model import new_model
 
@@ -139,7 +139,7 @@ def _train(
     and leaves the model in eval mode.
     """
     report = progress or _ignore
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     params = _param_groups(model, config.weight_decay)
     optimizer = torch.optim.AdamW(params, lr=peak_lr, betas=_ADAM_BETAS)
     generator = torch.Generator().manual_seed(config.seed)
