@@ -30,6 +30,7 @@ from edgespec.config import (
     resolve_sampling,
 )
 from edgespec.errors import EdgespecError
+from edgespec.manifest import PROMPTS_NAME
 from edgespec.serve.config import ServeConfig
 
 _DEFAULTS = GenerationConfig()  # the CLI's defaults are the library's
@@ -384,7 +385,7 @@ def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, 
     package = package or _demo_package()
     pipe = load(package, provider=provider)
     benchmark.check_drafters(pipe, config)
-    prompts = benchmark.read_prompts(prompts_file or package / benchmark.PROMPTS_NAME)
+    prompts = benchmark.read_prompts(prompts_file or package / PROMPTS_NAME)
     total = benchmark.total_runs(config, len(prompts))
     click.echo(f"benchmarking {package}: {total} generations of {max_new_tokens} tokens "
                f"({len(prompts)} prompts x {repeats} repeats x {len(config.temperatures)} "

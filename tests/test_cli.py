@@ -61,6 +61,13 @@ def test_bench_reports_progress_on_stderr(packages, tmp_path, monkeypatch):
     assert any(line.strip().startswith("3/3 generations") for line in lines)
 
 
+def test_bench_reads_the_packages_own_prompts_by_default():
+    """The demo package carries prompts.jsonl: a plain `edgespec bench` needs no --prompts."""
+    result = run("bench", "-n", 2, "--gamma", 1, "--temperature", 0, "--repeats", 1)
+    assert result.exit_code == 0, result.output
+    assert "fixed" in result.stdout and "adaptive" in result.stdout
+
+
 def test_no_draft_decodes_with_the_target_alone(packages):
     out = json.loads(run("generate", packages["llama"], "x", "-n", 8, "--no-draft", "--json").stdout)
     assert out["stats"]["speculative"] is False and out["stats"]["drafted"] == 0
