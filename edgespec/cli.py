@@ -533,18 +533,25 @@ def list_models(packages: tuple[Path, ...]) -> None:
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Folder to create: checkpoints/ and package/ go inside.")
 @click.option("--target-minutes", type=float, help="Target training budget [default: 72].")
-@click.option("--draft-minutes", type=float, help="Draft distillation budget [default: 14].")
+@click.option("--draft-minutes", type=float, help="Draft distillation budget [default: 60].")
+@click.option("--target-checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A target trained before (e.g. checkpoints/demo/target): only the draft is "
+                   "made, with that target's tokenizer.")
+@click.option("--threads", default=0, show_default=True, type=click.IntRange(0),
+              help="PyTorch's threads; 0: every usable core (1 is steadier beside other jobs).")
 @click.option("--seed", default=0, show_default=True)
 @_user_errors
 def build_demo(out: Path, target_minutes: float | None, draft_minutes: float | None,
-               seed: int) -> None:
+               target_checkpoint: Path | None, threads: int, seed: int) -> None:
     """Train the demo pair on this Python's standard library and export it (needs the export extra)."""
     if out.exists():
         raise click.ClickException(f"{out} already exists; choose another --out")
     recipe = _needs_export_extra("edgespec.models.recipe")
     budgets = {"target_minutes": target_minutes, "draft_minutes": draft_minutes}
-    config = recipe.RecipeConfig(seed=seed, **{k: v for k, v in budgets.items() if v is not None})
-    report = recipe.build_demo_package(out, config, progress=lambda line: click.echo(line, err=True))
+    config = recipe.RecipeConfig(seed=seed, threads=threads,
+                                 **{k: v for k, v in budgets.items() if v is not None})
+    report = recipe.build_demo_package(out, config, target_checkpoint=target_checkpoint,
+                                       progress=lambda line: click.echo(line, err=True))
     click.echo(
         f"wrote {out}: target held-out perplexity {report['target']['heldout_perplexity']:.1f}, "
         f"draft greedy agreement {report['greedy_agreement']:.0%}",

@@ -139,7 +139,7 @@ def _train(
     and leaves the model in eval mode.
     """
     report = progress or _ignore
-    torch.set_num_threads(usable_cores())
+    torch.set_num_threads(config.threads or usable_cores())
     params = _param_groups(model, config.weight_decay)
     optimizer = torch.optim.AdamW(params, lr=peak_lr, betas=_ADAM_BETAS)
     generator = torch.Generator().manual_seed(config.seed)
