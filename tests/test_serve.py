@@ -9,7 +9,6 @@ import shutil
 import socket
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -407,18 +406,15 @@ def test_a_dropped_generation_ends_early_and_the_next_is_served(demo):
         pieces = job.__aiter__()
         await pieces.__anext__()
         await pieces.aclose()
-        start = time.perf_counter()
         while worker.counts()["cancelled"] == 0:
             await asyncio.sleep(0.005)
-        ended = time.perf_counter() - start
         after = await worker.submit(demo.stream(PROMPT, max_new_tokens=4)).result()
         worker.close()
-        return stream, ended, after
+        return stream, after
 
-    stream, ended, after = asyncio.run(scenario())
-    result = stream.result  # it never ran to its 450 tokens
+    stream, after = asyncio.run(asyncio.wait_for(scenario(), timeout=60))  # a hang fails
+    result = stream.result  # it never ran to its 450 tokens: it stopped at its next round
     assert result.stats.finish_reason == "cancelled" and result.stats.new_tokens < 450
-    assert ended < 1.0
     assert after.stats.new_tokens <= 4
 
 

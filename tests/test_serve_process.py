@@ -64,14 +64,14 @@ def test_a_dropped_stream_cancels_its_generation(demo_server):
             "stream": True}
     with httpx.stream("POST", f"{demo_server.url}/v1/completions", json=body) as response:
         next(response.iter_lines())  # one piece, then the client goes away
-    start = time.perf_counter()
+    give_up = time.monotonic() + 60  # a generation that is never cancelled fails, not hangs
     while demo_server.health()["cancelled"] == before:
-        assert time.perf_counter() - start < 2, "the generation was not cancelled"
+        assert time.monotonic() < give_up, "the generation was not cancelled"
         time.sleep(0.02)
-    assert demo_server.health()["running"] == 0
-    start = time.perf_counter()
-    demo_server.client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
-    assert time.perf_counter() - start < 2
+    health = demo_server.health()
+    assert health["running"] == 0 and health["cancelled"] == before + 1
+    out = demo_server.client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
+    assert out.usage.completion_tokens <= 4  # the slot is free for the next request
 
 
 def test_chat_through_the_openai_client_then_sigterm_ends_the_server(chat_package):
