@@ -322,26 +322,23 @@ def source_stamp(folder: Path) -> dict:
 
 
 
+def _edgespec_machine():
+    """edgespec's own machine description (edgespec/runtime/machine.py, standard library only),
+    loaded from its file: the peers' environments do not have edgespec installed."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "edgespec" / "runtime" / "machine.py"
+    spec = importlib.util.spec_from_file_location("edgespec_machine", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def machine_info() -> dict:
-    info = {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-    }
-    if hasattr(os, "sched_getaffinity"):
-        info["cpus_usable"] = len(os.sched_getaffinity(0))
-    try:  # Linux: the CPU's name, which platform.processor() often leaves empty
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    if hasattr(os, "getloadavg"):
-        info["load_average_at_start"] = os.getloadavg()
-    return info
+    """What ``edgespec bench`` records of the machine, with the names these results files have
+    always used (cpu_model, machine) beside it."""
+    info = _edgespec_machine().machine_info()
+    return {**info, "cpu_model": info["cpu"], "machine": platform.machine()}
 
 
 def versions(names: Iterable[str]) -> dict:

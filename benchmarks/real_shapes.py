@@ -30,6 +30,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # Public config.json values (hidden, intermediate, layers, heads, KV heads, vocabulary, tied
 # embeddings, context, rope theta).

@@ -30,7 +30,7 @@ import numpy as np
 from edgespec.config import SamplingConfig
 from edgespec.runtime.sampling import PositionUniforms, process_logits, sample, verify
 from edgespec.runtime.drafters import ModelDrafter
-from edgespec.runtime.speculative import Decoder, speculative_round
+from edgespec.runtime.speculative import TargetRunner, speculative_round
 from edgespec.runtime.stats import GenerationStats
 
 SETTINGS = {
@@ -76,7 +76,7 @@ def make_rows(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
 def fast_round(draft_rows, target_rows, k, sampling, seed) -> tuple[float, int]:
     """Seconds of sampling in one ``speculative_round``, and tokens it committed."""
     committed = list(range(CONTEXT))
-    target = Decoder(FakeSession(target_rows), FakeCache(CONTEXT - 1))
+    target = TargetRunner(FakeSession(target_rows), FakeCache(CONTEXT - 1))
     stats = GenerationStats(speculative=True)
     draft = ModelDrafter(FakeSession(draft_rows), stats)
     uniforms = PositionUniforms(seed, first=CONTEXT)

@@ -1,13 +1,14 @@
 """edgespec: speculative decoding for on-device LLMs on ONNX Runtime.
 
     import edgespec
-    pipe = edgespec.load("pkg")            # a folder made by `edgespec export`
+    pipe = edgespec.load()                 # the bundled demo pair; or a folder from `edgespec export`
     print(pipe.generate("def fibonacci(n):", max_new_tokens=64).text)
 
 The runtime (onnxruntime, NumPy, tokenizers) is imported on first use of its names, so the
 command line starts, and answers Ctrl-C, before the heavy imports.
 """
 
+from edgespec import models  # light: paths only (edgespec.models.demo_package())
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.errors import EdgespecError
 
@@ -15,7 +16,7 @@ __version__ = "0.1.0"
 
 _RUNTIME = ("GenerationResult", "GenerationStats", "Pipeline", "SessionConfig", "load")
 
-__all__ = ["EdgespecError", "GenerationConfig", "SamplingConfig", *_RUNTIME]
+__all__ = ["EdgespecError", "GenerationConfig", "SamplingConfig", "models", *_RUNTIME]
 
 
 def __getattr__(name: str):

@@ -28,12 +28,13 @@ from edgespec.runtime.stats import GenerationStats
 
 @dataclass(frozen=True)
 class BenchConfig:
-    gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    gammas: tuple[int, ...] = (2, 4, 8)
     temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
     max_new_tokens: int = 128
     repeats: int = 3
     seed: int = 0
-    schedules: tuple[str, ...] = ("fixed",)  # others run once, with the largest gamma as kmax
+    # generate's default (adaptive, k up to the largest gamma) beside every fixed gamma
+    schedules: tuple[str, ...] = ("adaptive", "fixed")
     drafters: tuple[str, ...] = ("auto",)  # each runs every schedule and gamma
 
     def __post_init__(self) -> None:
@@ -61,7 +62,7 @@ class BenchConfig:
         schedules."""
         fixed = [("fixed", g) for g in self.gammas] if "fixed" in self.schedules else []
         others = [(s, max(self.gammas)) for s in self.schedules if s != "fixed"]
-        return [(d, *v) for d in self.drafters for v in fixed + others]
+        return [(d, *v) for d in self.drafters for v in others + fixed]
 
 
 def expected_speedup(alpha: float, k: int, draft_ms: float, verify_ms: float,

@@ -10,6 +10,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -26,10 +27,14 @@ from edgespec.config import (
     SCHEDULES,
     GenerationConfig,
     SamplingConfig,
+    resolve_sampling,
 )
 from edgespec.errors import EdgespecError
+from edgespec.manifest import PROMPTS_NAME
+from edgespec.serve.config import ServeConfig
 
 _DEFAULTS = GenerationConfig()  # the CLI's defaults are the library's
+_SERVE = ServeConfig()  # and the server's, its own (edgespec/serve/config.py, no imports)
 
 
 class Terminated(BaseException):
@@ -118,7 +123,7 @@ def _needs_export_extra(module: str):
         ) from None
 
 
-SERVE_MODULES = ("starlette", "uvicorn", "pydantic", "jinja2")  # what the serve extra installs
+SERVE_MODULES = ("starlette", "uvicorn", "pydantic", "jinja2", "prometheus_client")  # what the serve extra installs
 
 
 def _needs_serve_extra():
@@ -253,7 +258,9 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
               help="Back the prompt off its last token and let the first generated token "
                    "regrow it (a prompt ending in a space or a newline, say).")
 @click.option("--provider", default="auto", show_default=True,
-              type=click.Choice(PROVIDERS))
+              type=click.Choice(PROVIDERS),
+              help="Where the models run: auto takes TensorRT, then CUDA, then the CPU, as "
+                   "onnxruntime offers them; the stats line says which ran.")
 @click.option("--draft-provider", type=click.Choice(PROVIDERS),
               help="Where the draft runs, if not where the target does.")
 @click.option("--json", "as_json", is_flag=True, help="Print text and stats as one JSON object.")
@@ -269,6 +276,11 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
     if len(args) > 2:
         raise click.ClickException(
             f"expected [PACKAGE] PROMPT, got {len(args)} arguments; quote the prompt"
+        )
+    if len(args) == 1 and Path(args[0]).is_dir():
+        raise click.ClickException(
+            f"{args[0]} is a folder and no prompt was given; run edgespec generate "
+            f"{shlex.quote(args[0])} \"your prompt\" (a lone argument is the demo's prompt)"
         )
     package, prompt = (Path(args[0]), args[1]) if len(args) == 2 else (_demo_package(), args[0])
 
@@ -292,22 +304,26 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
         token_healing=token_healing,
     )
     pipe = load(package, provider=provider, draft_provider=draft_provider)
-    config = replace(config, sampling=replace(pipe.default_sampling, **given))
+    config = replace(config, sampling=resolve_sampling(given, pipe.manifest.generation))
     if config.sampling.greedy and (top_k is not None or top_p is not None):
         click.echo("warning: --top-k and --top-p do nothing at temperature 0 (greedy); "
                    "give --temperature to sample", err=True)
     stream = pipe.stream(prompt, config)
+    ran_on = {role: session.providers[0] for role, session in
+              (("target", pipe.target), ("draft", pipe.draft)) if session is not None}
     if as_json:
         text = "".join(stream)
         result = {"prompt": prompt, "text": text, "token_ids": stream.result.token_ids,
-                  "stats": stream.result.stats.as_dict()}
+                  "stats": stream.result.stats.as_dict(), "providers": ran_on}
         click.echo(json.dumps(result))
         return
     for piece in stream:
         click.echo(piece, nl=False)
         sys.stdout.flush()
     click.echo()
-    click.echo(stream.result.stats.summary(), err=True)
+    where = ", ".join(f"{role} on {name.removesuffix('ExecutionProvider')}"
+                      for role, name in ran_on.items())
+    click.echo(f"{stream.result.stats.summary()}; {where}", err=True)
 
 
 def _demo_package() -> Path:
@@ -326,13 +342,14 @@ def _ints(text: str) -> tuple[int, ...]:
 
 @main.command()
 @click.argument("package", required=False, type=click.Path(path_type=Path))
-@click.option("--gamma", "gammas", default="1,2,3,4,6,8", show_default=True,
-              help="Draft lengths to compare, comma-separated.")
+@click.option("--gamma", "gammas", default="2,4,8", show_default=True,
+              help="Draft lengths to compare, comma-separated (the largest is the adaptive "
+                   "schedule's most, as generate's --gamma).")
 @click.option("--temperature", "temperatures", default="0,0.7,1", show_default=True,
               help="Temperatures, comma-separated.")
-@click.option("--schedule", "schedules", default="fixed", show_default=True,
+@click.option("--schedule", "schedules", default="adaptive,fixed", show_default=True,
               help="Draft-length schedules, comma-separated: fixed runs every --gamma; "
-                   "heuristic and adaptive run once with the largest.")
+                   "heuristic and adaptive (generate's default) run once with the largest.")
 @click.option("--drafter", "drafters", default="auto", show_default=True,
               help="Drafters to compare, comma-separated: model, ngram, auto (model if the "
                    "package has one, else ngram); each against target-only runs.")
@@ -368,11 +385,14 @@ def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, 
     package = package or _demo_package()
     pipe = load(package, provider=provider)
     benchmark.check_drafters(pipe, config)
-    prompts = benchmark.read_prompts(prompts_file or package / benchmark.PROMPTS_NAME)
+    prompts = benchmark.read_prompts(prompts_file or package / PROMPTS_NAME)
     total = benchmark.total_runs(config, len(prompts))
-    with click.progressbar(length=total, label="benchmarking", file=sys.stderr) as bar:
-        report = benchmark.run_bench(pipe, prompts, config, progress=lambda n: bar.update(n - bar.pos),
-                                     command=shlex.join(["edgespec", *sys.argv[1:]]))
+    click.echo(f"benchmarking {package}: {total} generations of {max_new_tokens} tokens "
+               f"({len(prompts)} prompts x {repeats} repeats x {len(config.temperatures)} "
+               f"temperatures x {total // (len(prompts) * repeats * len(config.temperatures))} "
+               "settings, target-only included)", err=True)
+    report = benchmark.run_bench(pipe, prompts, config, progress=_ProgressLines(total),
+                                 command=shlex.join(["edgespec", *sys.argv[1:]]))
     click.echo(benchmark.format_table(report))
     if json_out:
         json_out.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
@@ -382,40 +402,112 @@ def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, 
         click.echo(f"wrote {plot_out}", err=True)
 
 
+class _ProgressLines:
+    """Progress of a long command on stderr, one line every EVERY seconds and at the end:
+    done / total, elapsed, and the time left at the rate so far (works in logs, not only on a
+    terminal, where click's progress bar stays silent)."""
+
+    EVERY = 10.0  # seconds between lines
+
+    def __init__(self, total: int):
+        self.total = total
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, done: int) -> None:
+        now = time.monotonic()
+        if now - self.last < self.EVERY and done < self.total:
+            return
+        self.last = now
+        elapsed = now - self.start
+        left = elapsed / done * (self.total - done) if done else 0.0
+        click.echo(f"  {done}/{self.total} generations, {_duration(elapsed)} elapsed"
+                   + (f", about {_duration(left)} left" if done < self.total else ""), err=True)
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
 @main.command()
 @click.argument("package", required=False, type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on; 0.0.0.0 opens the server to the network.")
+              help="Address to listen on; 0.0.0.0 or :: opens the server to the network "
+                   "(then set --api-key).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
               help="0 picks a free port.")
 @click.option("--model-name", help="The model's id in the API  [default: the package folder's "
                                    "name, e.g. demo]")
-@click.option("--queue", default=8, show_default=True, type=click.IntRange(0),
+@click.option("--api-key", envvar="EDGESPEC_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' (the openai client's api_key) on "
+                   "every request but GET /health.")
+@click.option("--allowed-hosts", multiple=True, metavar="HOST[,HOST...]",
+              help="Host header values to answer besides the loopback names and --host "
+                   "(the names clients use to reach a server on the network); '*': any.")
+@click.option("--allowed-origins", multiple=True, metavar="ORIGIN[,ORIGIN...]",
+              help="Web origins (e.g. http://localhost:3000) whose pages may call the server "
+                   "(CORS); none by default.")
+@click.option("--queue", default=_SERVE.queue, show_default=True, type=click.IntRange(0),
               help="Requests that may wait while one generates; more are answered 429.")
-@click.option("--max-body", default=1 << 20, show_default=True, type=click.IntRange(1),
+@click.option("--max-tokens", default=_SERVE.max_tokens, show_default=True,
+              type=click.IntRange(1),
+              help="Most tokens one request may ask for (and a chat's default).")
+@click.option("--request-timeout", default=_SERVE.request_timeout_s, show_default=True,
+              type=click.FloatRange(0, min_open=True),
+              help="Seconds one generation may run; it then ends as at max_tokens.")
+@click.option("--max-body", default=_SERVE.max_body, show_default=True, type=click.IntRange(1),
               help="Largest request body in bytes; larger ones are answered 413.")
+@click.option("--read-timeout", default=_SERVE.read_timeout_s, show_default=True,
+              type=click.FloatRange(0, min_open=True),
+              help="Seconds a client has to send a request's headers, and again its body.")
+@click.option("--keep-alive", default=_SERVE.keep_alive_s, show_default=True,
+              type=click.FloatRange(0, min_open=True),
+              help="Seconds an idle connection stays open.")
+@click.option("--limit-concurrency", default=_SERVE.limit_concurrency, show_default=True,
+              type=click.IntRange(1), help="Connections at once; more are answered 503.")
 @click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDERS))
 @click.option("--draft-provider", type=click.Choice(PROVIDERS),
               help="Where the draft runs, if not where the target does.")
 @_user_errors
-def serve(package: Path | None, host: str, port: int, model_name: str | None, queue: int,
-          max_body: int, provider: str, draft_provider: str | None) -> None:
+def serve(package: Path | None, host: str, port: int, model_name: str | None,
+          api_key: str | None, allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...],
+          queue: int, max_tokens: int, request_timeout: float, max_body: int,
+          read_timeout: float, keep_alive: float, limit_concurrency: int, provider: str,
+          draft_provider: str | None) -> None:
     """Serve PACKAGE (default: the demo pair) over an OpenAI-compatible HTTP API
     (needs edgespec[serve])."""
     serving = _needs_serve_extra()
+    from edgespec.serve.config import hosts_for, is_loopback
+
+    config = ServeConfig(
+        model=model_name, queue=queue, max_body=max_body, max_tokens=max_tokens,
+        request_timeout_s=request_timeout, read_timeout_s=read_timeout,
+        keep_alive_s=keep_alive, limit_concurrency=limit_concurrency,
+        allowed_hosts=hosts_for(host, _listed(allowed_hosts)),
+        allowed_origins=_listed(allowed_origins), api_key=api_key)
     sock = serving.server.bind(host, port)  # first: a port in use is reported at once
     try:
         pipe = _runtime().load(package or _demo_package(), provider=provider,
                                draft_provider=draft_provider)
-        app = serving.build_app(pipe, model_name, queue, max_body)
+        app = serving.build_app(pipe, config)
     except BaseException:
         sock.close()
         raise
-    name = app.state.server.model
-    bound_port = sock.getsockname()[1]
-    click.echo(f"serving {name} at http://{host}:{bound_port}/v1 (one generation at a time, "
-               f"{queue} waiting at most); Ctrl-C stops", err=True)
-    serving.server.run(app, sock)
+    if api_key is None and not is_loopback(host):
+        click.echo(f"warning: listening on {host} without --api-key: anyone who can reach "
+                   "this machine can use the model", err=True)
+
+    def listening() -> None:  # the socket accepts connections: now the address is true
+        address = serving.server.url(host, sock.getsockname()[1])
+        click.echo(f"serving {app.state.server.model} at {address}/v1 (one generation at a "
+                   f"time, {queue} waiting at most); Ctrl-C stops", err=True)
+
+    serving.server.run(app, sock, config, listening)
+
+
+def _listed(values: tuple[str, ...]) -> tuple[str, ...]:
+    """Repeated and comma-separated option values as one tuple."""
+    return tuple(v.strip() for value in values for v in value.split(",") if v.strip())
 
 
 @main.group()
@@ -441,18 +533,25 @@ def list_models(packages: tuple[Path, ...]) -> None:
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Folder to create: checkpoints/ and package/ go inside.")
 @click.option("--target-minutes", type=float, help="Target training budget [default: 72].")
-@click.option("--draft-minutes", type=float, help="Draft distillation budget [default: 14].")
+@click.option("--draft-minutes", type=float, help="Draft distillation budget [default: 60].")
+@click.option("--target-checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A target trained before (e.g. checkpoints/demo/target): only the draft is "
+                   "made, with that target's tokenizer.")
+@click.option("--threads", default=0, show_default=True, type=click.IntRange(0),
+              help="PyTorch's threads; 0: every usable core (1 is steadier beside other jobs).")
 @click.option("--seed", default=0, show_default=True)
 @_user_errors
 def build_demo(out: Path, target_minutes: float | None, draft_minutes: float | None,
-               seed: int) -> None:
+               target_checkpoint: Path | None, threads: int, seed: int) -> None:
     """Train the demo pair on this Python's standard library and export it (needs the export extra)."""
     if out.exists():
         raise click.ClickException(f"{out} already exists; choose another --out")
     recipe = _needs_export_extra("edgespec.models.recipe")
     budgets = {"target_minutes": target_minutes, "draft_minutes": draft_minutes}
-    config = recipe.RecipeConfig(seed=seed, **{k: v for k, v in budgets.items() if v is not None})
-    report = recipe.build_demo_package(out, config, progress=lambda line: click.echo(line, err=True))
+    config = recipe.RecipeConfig(seed=seed, threads=threads,
+                                 **{k: v for k, v in budgets.items() if v is not None})
+    report = recipe.build_demo_package(out, config, target_checkpoint=target_checkpoint,
+                                       progress=lambda line: click.echo(line, err=True))
     click.echo(
         f"wrote {out}: target held-out perplexity {report['target']['heldout_perplexity']:.1f}, "
         f"draft greedy agreement {report['greedy_agreement']:.0%}",

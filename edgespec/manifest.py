@@ -24,9 +24,10 @@ PACKAGE_ENTRIES = frozenset(
     {MANIFEST_NAME, TOKENIZER_NAME, CHAT_TEMPLATE_NAME, PROMPTS_NAME, REPORT_NAME, "target",
      "draft"}
 )
-GRAPHS = ("optimum", "fused")  # optimum's exporter; edgespec's own (export/fused.py)
-DTYPES = ("float32", "float16")  # what a graph computes in
-QUANTIZATIONS = (None, "int8", "int4")
+# What a manifest may say of a graph (export offers its own choices: config.EXPORT_*)
+GRAPH_KINDS = ("optimum", "fused")  # optimum's exporter; edgespec's own (export/fused.py)
+GRAPH_DTYPES = ("float32", "float16")  # what a graph computes in
+WEIGHT_QUANTIZATIONS = (None, "int8", "int4")
 COMPUTES = ("float", "int8")  # what quantized MatMuls compute in
 
 
@@ -77,6 +78,9 @@ class Manifest:
     pad_token_id: int | None
     add_bos_token: bool
     tokenizer: str = "tokenizer.json"
+    # the tokenizer's size and vocabulary hash (runtime/package_checks.py), checked at load;
+    # None in packages from before it was written
+    tokenizer_fingerprint: dict | None = None
     chat_template: str | None = None
     special_tokens: dict = field(default_factory=dict)
     generation: dict = field(default_factory=dict)  # sampling defaults: temperature, top_k,
@@ -107,7 +111,7 @@ class Manifest:
             )
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as e:  # not JSON, or not UTF-8
+        except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deep
             raise ManifestError(
                 f"{path} is corrupt ({type(e).__name__}: {e}); re-export the pair"
             ) from None
@@ -184,7 +188,8 @@ _COUNT: Check = ("an integer >= 1", lambda v: _is_int(v) and v >= 1)
 _SIZE: Check = ("an integer >= 0", lambda v: _is_int(v) and v >= 0)
 _TOKEN_ID: Check = ("null or a token id (an integer >= 0)", lambda v: v is None or _SIZE[1](v))
 _TEXT: Check = ("a string", lambda v: isinstance(v, str))
-_PATH: Check = ("a path inside the package folder", lambda v: isinstance(v, str) and v != "")
+_PATH: Check = ("a path inside the package folder",
+                 lambda v: isinstance(v, str) and v != "" and "\x00" not in v)
 _OBJECT: Check = ("a JSON object", lambda v: isinstance(v, dict))
 _NAMES: Check = ("a non-empty list of strings",
                  lambda v: isinstance(v, list) and bool(v) and all(isinstance(n, str) for n in v))
@@ -198,11 +203,11 @@ SPEC_FIELDS: dict[str, Check] = {
     "vocab_size": _COUNT,
     "kv_inputs": _NAMES,
     "kv_outputs": _NAMES,
-    "graph": _one_of(GRAPHS),
-    "dtype": _one_of(DTYPES),
+    "graph": _one_of(GRAPH_KINDS),
+    "dtype": _one_of(GRAPH_DTYPES),
     "stored": ("a JSON object of counts (string: integer >= 0)",
                lambda v: isinstance(v, dict) and all(_SIZE[1](n) for n in v.values())),
-    "quantization": _one_of(QUANTIZATIONS),
+    "quantization": _one_of(WEIGHT_QUANTIZATIONS),
     "compute": _one_of(COMPUTES),
     "min_run_tokens": ("an integer from 1 to 16", lambda v: _is_int(v) and 1 <= v <= 16),
     "parameters": _SIZE,
@@ -214,13 +219,17 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "draft": ("a JSON object, or null for a target-only package",
               lambda v: v is None or isinstance(v, dict)),
     "vocab_size": _COUNT,
-    "max_positions": _COUNT,
+    "max_positions": ("an integer >= 2 (a prompt token and one to generate)",
+                      lambda v: _is_int(v) and v >= 2),
     "eos_token_ids": ("a list of token ids (integers >= 0)",
                       lambda v: isinstance(v, list) and all(_SIZE[1](i) for i in v)),
     "bos_token_id": _TOKEN_ID,
     "pad_token_id": _TOKEN_ID,
     "add_bos_token": ("true or false", lambda v: isinstance(v, bool)),
     "tokenizer": _PATH,
+    "tokenizer_fingerprint": ("null or a JSON object: size (an integer), sha256 (a string)",
+                              lambda v: v is None or (isinstance(v, dict) and _is_int(v.get("size"))
+                                                      and isinstance(v.get("sha256"), str))),
     "chat_template": ("null or a path inside the package folder",
                       lambda v: v is None or _PATH[1](v)),
     "generation": ("a JSON object of sampling settings (temperature, top_k, top_p)",

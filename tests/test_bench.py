@@ -43,8 +43,8 @@ def test_a_short_bench_reports_every_configuration(packages):
     report = run_bench(pipe, ["def add(a, b):", "The quick"], config, progress=calls.append)
     assert calls[-1] == 2 * 2 * 2 * 4
     assert [(r.temperature, r.schedule, r.gamma) for r in report.rows] == [
-        (0, "fixed", 1), (0, "fixed", 3), (0, "heuristic", 3),
-        (1, "fixed", 1), (1, "fixed", 3), (1, "heuristic", 3),
+        (0, "heuristic", 3), (0, "fixed", 1), (0, "fixed", 3),
+        (1, "heuristic", 3), (1, "fixed", 1), (1, "fixed", 3),
     ]
     for row in report.rows:
         assert row.runs == 4 and row.speedup > 0
@@ -142,8 +142,8 @@ def test_bench_compares_drafters_and_refuses_one_the_package_lacks(packages, che
                          schedules=("fixed", "adaptive"), drafters=("model", "ngram"))
     report = run_bench(pipe, ["a b a b a b", "def add(a, b):"], config)
     assert [(r.drafter, r.schedule) for r in report.rows] == [
-        ("model", "fixed"), ("model", "adaptive"), ("ngram", "fixed"), ("ngram", "adaptive")]
-    assert report.rows[0].expected_speedup and report.rows[2].expected_speedup is None
+        ("model", "adaptive"), ("model", "fixed"), ("ngram", "adaptive"), ("ngram", "fixed")]
+    assert report.rows[1].expected_speedup and report.rows[3].expected_speedup is None
     with pytest.raises(edgespec.EdgespecError, match="drafters must be among auto, model, ngram"):
         BenchConfig(drafters=("lookup",))
 

@@ -42,6 +42,32 @@ def test_generate_json_holds_text_and_stats(packages):
     assert {"acceptance_rate", "per_position_acceptance", "tokens_per_s", "draft_s"} <= set(out["stats"])
 
 
+def test_generate_says_where_the_models_ran(packages):
+    result = run("generate", packages["llama"], "x", "-n", 4)
+    assert "target on CPU, draft on CPU" in result.stderr.splitlines()[-1]
+    out = json.loads(run("generate", packages["llama"], "x", "-n", 4, "--json").stdout)
+    assert out["providers"] == {"target": "CPUExecutionProvider", "draft": "CPUExecutionProvider"}
+
+
+def test_bench_reports_progress_on_stderr(packages, tmp_path, monkeypatch):
+    from edgespec import cli
+
+    monkeypatch.setattr(cli._ProgressLines, "EVERY", 0.0)  # a line after every prompt
+    result = run("bench", packages["llama"], "--prompts", prompts_file(tmp_path), "-n", 4,
+                 "--gamma", 2, "--temperature", 0, "--repeats", 1)
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith(f"benchmarking {packages['llama']}: 3 generations of 4 tokens")
+    assert any(line.strip().startswith("3/3 generations") for line in lines)
+
+
+def test_bench_reads_the_packages_own_prompts_by_default():
+    """The demo package carries prompts.jsonl: a plain `edgespec bench` needs no --prompts."""
+    result = run("bench", "-n", 2, "--gamma", 1, "--temperature", 0, "--repeats", 1)
+    assert result.exit_code == 0, result.output
+    assert "fixed" in result.stdout and "adaptive" in result.stdout
+
+
 def test_no_draft_decodes_with_the_target_alone(packages):
     out = json.loads(run("generate", packages["llama"], "x", "-n", 8, "--no-draft", "--json").stdout)
     assert out["stats"]["speculative"] is False and out["stats"]["drafted"] == 0
@@ -129,6 +155,8 @@ BAD_INPUTS = {
     "build-demo with a negative seed": (
         lambda p, t: ["models", "build-demo", "--out", t / "demo", "--seed", -1], "seed must be >= 0"),
     "prompt too long": (lambda p, t: ["generate", p["gpt2"], "x " * 300], "shorten the prompt"),
+    "a package and no prompt": (lambda p, t: ["generate", p["gpt2"]],
+                                "is a folder and no prompt was given"),
     "export of a folder without a model": (
         lambda p, t: ["export", "--target", t, "--draft", t, "--out", t / "o"], "has no config.json"),
     "export of a non-causal model": (

@@ -48,9 +48,31 @@ def test_padded_vocabularies_pair_on_the_shared_range(packages):
     assert manifest.vocab_size == manifest.target.vocab_size
 
 
+def test_a_swapped_pair_is_named_as_two_tokenizers(tmp_path):
+    """A target with a smaller tokenizer than its larger draft: two tokenizers, likely swapped."""
+    small, large = _hf_tokenizer(_train_bpe(300)), _hf_tokenizer(_train_bpe(400))
+    target = _save(llama(len(small), 32, 1, seed=1), small, tmp_path / "t")
+    draft = _save(llama(len(large), 64, 2, seed=2), large, tmp_path / "d")
+    with pytest.raises(IncompatiblePairError, match=r"target's tokenizer has \d+ tokens and the "
+                                                    r"draft's \d+.*must share one tokenizer.*swapped"):
+        export_pair(target, draft, tmp_path / "out")
+
+
 def test_a_different_tokenizer_is_refused_naming_the_first_mismatch(checkpoints, tmp_path):
-    with pytest.raises(IncompatiblePairError, match=r"tokenizers differ at id \d+: target has"):
+    with pytest.raises(IncompatiblePairError, match="the draft's 395: the pair must share one"):
         export_pair(checkpoints["llama_target"], checkpoints["other_tokenizer"], tmp_path / "out")
+    bpe = _hf_tokenizer(_train_bpe(400))
+    vocab = bpe.backend_tokenizer.get_vocab()
+    a, b = sorted(vocab, key=vocab.get)[300:302]  # two ids swapped: same size, other tokens
+    swapped = bpe.backend_tokenizer.to_str().replace(json.dumps(a) + ":", "\0A").replace(
+        json.dumps(b) + ":", json.dumps(a) + ":").replace("\0A", json.dumps(b) + ":")
+    (tmp_path / "swapped").mkdir()
+    from tokenizers import Tokenizer
+
+    other = _hf_tokenizer(Tokenizer.from_str(swapped))
+    _save(llama(len(other), 32, 1, seed=5), other, tmp_path / "swapped")
+    with pytest.raises(IncompatiblePairError, match=r"tokenizers differ at id 30[01]: target has"):
+        export_pair(checkpoints["llama_target"], tmp_path / "swapped", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

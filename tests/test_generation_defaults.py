@@ -102,6 +102,6 @@ def test_the_server_fills_omitted_settings_from_the_package_then_openai():
         return SimpleNamespace(pipe=SimpleNamespace(manifest=SimpleNamespace(generation=generation)))
 
     body = CompletionRequest(model="m", prompt="x", top_p=0.5)
-    assert _sampling(server({}), body) == {**OPENAI_SAMPLING, "top_p": 0.5}
+    assert _sampling(server({}), body) == {"top_k": 0, **OPENAI_SAMPLING, "top_p": 0.5}
     assert _sampling(server({"temperature": 0.7, "top_k": 20, "top_p": 0.9}), body) == {
         "temperature": 0.7, "top_k": 20, "top_p": 0.5}

@@ -4,7 +4,6 @@ prompt's last one from the target's restricted row, exactly as target-only decod
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from edgespec.cli import main
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError
 from edgespec.models import demo_package
-from edgespec.runtime import pipeline, speculative
+from edgespec.runtime import speculative, text
 from edgespec.runtime.drafters import make_drafter
 from edgespec.runtime.healing import PrefixIndex, token_texts
 from edgespec.runtime.sampling import process_logits, process_row
@@ -76,20 +75,15 @@ def test_the_index_equals_a_scan_on_any_strings(texts, prefix):
     assert np.array_equal(PrefixIndex(texts).extending(prefix), brute_force(texts, prefix))
 
 
-def test_the_index_of_a_large_vocabulary_is_quick():
-    """151,643 random texts (Qwen2's vocabulary size): sorting them and one query."""
+def test_the_index_of_a_large_vocabulary_answers_as_a_scan():
+    """151,643 random texts (Qwen2's vocabulary size). Its speed is measured in README's
+    healing notes, not asserted here."""
     rng = np.random.default_rng(0)
     alphabet = np.array(list("abcdefghijklmnopqrstuvwxyz_ (){}:\n.,é"))
     texts = ["".join(rng.choice(alphabet, rng.integers(1, 9))) for _ in range(151_643)]
-    start = time.perf_counter()
     index = PrefixIndex(texts)
-    built = time.perf_counter() - start
-    start = time.perf_counter()
-    allowed = index.extending("a")
-    query = time.perf_counter() - start
-    assert np.array_equal(allowed, brute_force(texts, "a"))
-    print(f"\n151,643 texts: sorted in {built * 1e3:.0f} ms, a query in {query * 1e6:.0f} us")
-    assert built < 5 and query < 0.01
+    for prefix in ("a", "ab", "é", "\n."):
+        assert np.array_equal(index.extending(prefix), brute_force(texts, prefix))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +214,7 @@ def test_the_distribution_check_rejects_a_wrong_healing_step(pipes, monkeypatch,
     REMOVED[:] = [pipe.encode(PROMPT)[-1]]
     monkeypatch.setattr(speculative, "constrained_step", wrong)
     # the text check would refuse a first token that does not regrow the removed text
-    monkeypatch.setattr(pipeline, "_Unprefix", lambda prefix: lambda piece: piece)
+    monkeypatch.setattr(text, "Unprefix", lambda prefix: lambda piece: piece)
     samples = first_tokens(pipe, sampling, 2000, gamma=2, schedule="fixed")
     assert fit_pvalue(samples, exact_first_token(pipe, sampling)) < 1e-6
 
@@ -301,7 +295,7 @@ def test_the_server_takes_token_healing_for_text_prompts(demo):
     from edgespec.serve import build_app
 
     prompt = "for i in range(10):\n"  # ends on a newline token, which longer ones extend
-    with TestClient(build_app(demo)) as client:
+    with TestClient(build_app(demo), base_url="http://localhost") as client:  # a loopback Host
         for healing in (True, False):
             out = client.post("/v1/completions", json={
                 "model": "demo", "prompt": prompt, "temperature": 0, "max_tokens": 12,

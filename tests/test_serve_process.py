@@ -3,62 +3,18 @@ plain, streamed and chat completions, 8 clients at once, a dropped stream, SIGTE
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
-from openai import OpenAI
+from serve_helpers import Served
 
 import edgespec
 from edgespec.models import demo_package
 
 PROMPT = "def fibonacci(n):"
-
-
-class Served:
-    """A running `edgespec serve` process, its port, and its stderr as it comes."""
-
-    def __init__(self, *args: str):
-        env = {**os.environ, "PYTHONPATH": str(Path(edgespec.__file__).parents[1])}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "edgespec", "serve", "--port", "0", *args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: list[str] = []
-        ready = threading.Event()
-        self.port = None
-
-        def read() -> None:  # drained all along: a full pipe would block the server's logging
-            for line in self.process.stderr:
-                self.lines.append(line)
-                found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
-                if found:
-                    self.port = int(found.group(1))
-                if "startup complete" in line:
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(60) or self.port is None:
-            self.stop()
-            raise RuntimeError("the server did not start:\n" + "".join(self.lines))
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.client = OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
-
-    def health(self) -> dict:
-        return httpx.get(f"{self.url}/health").json()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -108,14 +64,14 @@ def test_a_dropped_stream_cancels_its_generation(demo_server):
             "stream": True}
     with httpx.stream("POST", f"{demo_server.url}/v1/completions", json=body) as response:
         next(response.iter_lines())  # one piece, then the client goes away
-    start = time.perf_counter()
+    give_up = time.monotonic() + 60  # a generation that is never cancelled fails, not hangs
     while demo_server.health()["cancelled"] == before:
-        assert time.perf_counter() - start < 2, "the generation was not cancelled"
+        assert time.monotonic() < give_up, "the generation was not cancelled"
         time.sleep(0.02)
-    assert demo_server.health()["running"] == 0
-    start = time.perf_counter()
-    demo_server.client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
-    assert time.perf_counter() - start < 2
+    health = demo_server.health()
+    assert health["running"] == 0 and health["cancelled"] == before + 1
+    out = demo_server.client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
+    assert out.usage.completion_tokens <= 4  # the slot is free for the next request
 
 
 def test_chat_through_the_openai_client_then_sigterm_ends_the_server(chat_package):

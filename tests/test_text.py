@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from edgespec.runtime.text import IncrementalDecoder, StopMatcher
+from edgespec.runtime.text import Detokenizer, StopMatcher
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ TEXT = "naïve café — 東京 🙂 done"
 def test_multibyte_characters_come_out_whole(byte_tokenizer, batch):
     ids = byte_tokenizer.encode(TEXT).ids
     assert len(ids) > len(TEXT)  # some characters really are split across tokens
-    decoder = IncrementalDecoder(byte_tokenizer)
+    decoder = Detokenizer(byte_tokenizer)
     pieces = [decoder.add(ids[i : i + batch]) for i in range(0, len(ids), batch)]
     pieces.append(decoder.flush())
     assert "".join(pieces) == TEXT
@@ -34,7 +34,7 @@ def test_multibyte_characters_come_out_whole(byte_tokenizer, batch):
 
 def test_an_unfinished_character_is_flushed_at_the_end(byte_tokenizer):
     ids = byte_tokenizer.encode("ok 🙂").ids[:-1]  # the emoji's last byte never comes
-    decoder = IncrementalDecoder(byte_tokenizer)
+    decoder = Detokenizer(byte_tokenizer)
     assert "".join(decoder.add([i]) for i in ids) == "ok "
     assert decoder.flush().startswith("\ufffd")
 

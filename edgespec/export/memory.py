@@ -12,11 +12,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import resource
 
 
 def usage() -> str:
-    """Resident memory now and at its peak, for progress lines (Linux; elsewhere the peak)."""
+    """Resident memory now and at its peak, for progress lines (Linux; elsewhere the peak where
+    the platform has ``resource``, else nothing)."""
+    try:
+        import resource  # Unix only: Windows has no such module
+    except ImportError:
+        return "memory not measured on this platform"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
     try:
         with open("/proc/self/statm") as statm:

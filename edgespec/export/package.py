@@ -16,9 +16,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 import edgespec
-from edgespec.config import EXPORT_GRAPHS
+from edgespec.config import EXPORT_DTYPES, EXPORT_GRAPHS, EXPORT_QUANTIZATIONS
 from edgespec.errors import ExportError
 from edgespec.export.destination import atomic_folder, check_destination
 from edgespec.export.fused import build_fused_graph, why_not_fused
@@ -26,8 +27,6 @@ from edgespec.export.graph import describe_graph, export_graph, load_model, meta
 from edgespec.export.memory import usage
 from edgespec.export.onnx_io import pin_ir_version
 from edgespec.export.precision import (
-    DTYPES,
-    QUANTIZATIONS,
     convert_fp16,
     quantize_weights,
     store_exact_halves,
@@ -44,9 +43,9 @@ from edgespec.export.validate import (
     validation_ids,
 )
 from edgespec.manifest import CHAT_TEMPLATE_NAME, Manifest, ModelSpec
+from edgespec.runtime.package_checks import tokenizer_fingerprint
 
 Progress = Callable[[str], None]
-GRAPHS = EXPORT_GRAPHS
 VALIDATION_LENGTH = 32  # tokens compared against PyTorch
 
 
@@ -89,14 +88,15 @@ def export_pair(
         ``draft_vocab_texts`` (export/vocab.py; FR-Spec): a cheaper draft step, exact output.
     """
     out = Path(out)
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if quantize not in (None, *QUANTIZATIONS):
-        raise ExportError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
+    if dtype not in EXPORT_DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
+    if quantize not in (None, *EXPORT_QUANTIZATIONS):
+        raise ExportError(f"--quantize must be one of {', '.join(EXPORT_QUANTIZATIONS)}, "
+                          f"got {quantize!r}")
     if quantize and dtype != "fp32":
         raise ExportError("--quantize works on fp32 graphs; drop --dtype fp16 or --quantize")
-    if graph not in GRAPHS:
-        raise ExportError(f"--graph must be one of {', '.join(GRAPHS)}, got {graph!r}")
+    if graph not in EXPORT_GRAPHS:
+        raise ExportError(f"--graph must be one of {', '.join(EXPORT_GRAPHS)}, got {graph!r}")
     if target_compute not in TARGET_COMPUTES:
         raise ExportError(f"--target-compute must be one of {', '.join(TARGET_COMPUTES)}, "
                           f"got {target_compute!r}")
@@ -106,8 +106,9 @@ def export_pair(
     if validation not in VALIDATIONS:
         raise ExportError(f"--validate must be one of {', '.join(VALIDATIONS)}, got {validation!r}")
     draft_quantize = quantize if draft_quantize == "same" else draft_quantize
-    if draft_quantize not in (None, *QUANTIZATIONS):
-        raise ExportError(f"--draft-quantize must be one of none, {', '.join(QUANTIZATIONS)}, "
+    if draft_quantize not in (None, *EXPORT_QUANTIZATIONS):
+        raise ExportError("--draft-quantize must be one of none, "
+                          f"{', '.join(EXPORT_QUANTIZATIONS)}, "
                           f"got {draft_quantize!r}")
     if draft_quantize and dtype != "fp32":
         raise ExportError("--draft-quantize works on fp32 graphs; drop --dtype fp16")
@@ -179,8 +180,8 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
     if token_ids is not None and expected is not None:
         expected = expected[:, token_ids]  # the columns the graph scores
     spec = replace(describe_graph(folder, root, **about), graph=graph, stored=dict(stored),
-                   quantization=variant if variant in QUANTIZATIONS else None,
-                   compute="int8" if role == "draft" and variant in QUANTIZATIONS else "float")
+                   quantization=variant if variant in EXPORT_QUANTIZATIONS else None,
+                   compute="int8" if role == "draft" and variant in EXPORT_QUANTIZATIONS else "float")
     if token_ids is not None:
         np.save(folder / TOKEN_IDS_NAME, token_ids)
         spec = replace(spec, token_ids=f"{role}/{TOKEN_IDS_NAME}")
@@ -222,7 +223,7 @@ def _write_fused(ckpt: Checkpoint, folder: Path, role: str, variant: str,
     else:
         loaded = load_model(ckpt.path)
         tensors = ModelTensors(loaded)
-    bits = int(variant[3:]) if variant in QUANTIZATIONS else None
+    bits = int(variant[3:]) if variant in EXPORT_QUANTIZATIONS else None
     report.detail(f"writing the fused graph ({variant}, "
                   f"{'one tensor at a time' if loaded is None else 'from the loaded model'})")
     stored = build_fused_graph(model, tensors, folder, keep_precision=variant != "fp16",
@@ -267,7 +268,7 @@ def _write_optimum(ckpt: Checkpoint, folder: Path, role: str, variant: str,
         report.detail("converting to fp16")
         convert_fp16(folder)
         return {}, about, expected, reference
-    if variant in QUANTIZATIONS:
+    if variant in EXPORT_QUANTIZATIONS:
         report.detail(f"quantizing the weights to {variant}")
         quantize_weights(folder, bits=int(variant[3:]), int8_compute=role == "draft")
     return store_exact_halves(folder), about, expected, reference  # what stayed float
@@ -289,6 +290,7 @@ def _write_package(
 ) -> Manifest:
     tokenizer = target.tokenizer
     tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+    saved = Tokenizer.from_file(str(tmp / "tokenizer.json"))  # as the runtime will load it
     template = _chat_template(tokenizer)
     if template is not None:
         (tmp / CHAT_TEMPLATE_NAME).write_text(template, encoding="utf-8")
@@ -301,6 +303,7 @@ def _write_package(
         bos_token_id=tokenizer.bos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         add_bos_token=_adds_bos(tokenizer),
+        tokenizer_fingerprint=tokenizer_fingerprint(saved),
         chat_template=None if template is None else CHAT_TEMPLATE_NAME,
         special_tokens=dict(tokenizer.special_tokens_map) if template is not None else {},
         generation=generation,

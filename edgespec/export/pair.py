@@ -35,6 +35,12 @@ class Checkpoint:
         return self.config.get_text_config().vocab_size
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weight files: which of two checkpoints is the larger model."""
+        return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin")
+                   for f in self.path.glob(pattern))
+
+    @property
     def max_positions(self) -> int:
         text = self.config.get_text_config()
         return getattr(text, "max_position_embeddings", None) or text.n_positions
@@ -162,6 +168,14 @@ def check_pair(target: Checkpoint, draft: Checkpoint) -> int:
     fine: logits are restricted to the shared range, which must mean the same in both.
     """
     shared = min(target.vocab_size, draft.vocab_size)
+    sizes = len(target.tokenizer), len(draft.tokenizer)
+    if sizes[0] != sizes[1]:
+        raise IncompatiblePairError(
+            f"the target's tokenizer has {sizes[0]} tokens and the draft's {sizes[1]}: the pair "
+            "must share one tokenizer (a draft from the target's model family)"
+            + ("; were --target and --draft swapped? The target is the larger model"
+               if draft.weight_bytes > target.weight_bytes else "")
+        )
     for ckpt, role in ((target, "target"), (draft, "draft")):
         if len(ckpt.tokenizer) > shared:
             raise IncompatiblePairError(

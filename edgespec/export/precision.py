@@ -31,11 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec.config import EXPORT_DTYPES, EXPORT_QUANTIZATIONS
 from edgespec.export.onnx_io import save_model
 
-DTYPES = EXPORT_DTYPES
-QUANTIZATIONS = EXPORT_QUANTIZATIONS
 QUANT_BLOCK_SIZE = 32
 INT8_COMPUTE = 4  # MatMulNBits accuracy_level: int8 activations, integer dot products
 _MIN_WEIGHT_SIZE = 1024  # smaller constants are not worth a Cast node

@@ -30,6 +30,7 @@ from pathlib import Path
 from edgespec.errors import ExportError
 from edgespec.export.precision import INT8_COMPUTE
 from edgespec.manifest import ModelSpec
+from edgespec.runtime.machine import load_average, usable_cores
 from edgespec.runtime.providers import SessionConfig
 from edgespec.runtime.runs import PADDED, VERIFY, rows_identical, run_costs
 from edgespec.runtime.session import ModelSession
@@ -83,15 +84,18 @@ def choose_runs(root: Path, spec: ModelSpec, max_positions: int, requested: str 
         if requested == "int8" and not quantized:
             raise ExportError("--target-compute int8 needs a quantized target (--quantize)")
         computes = [requested]
-    figures: dict = {"candidates": {}}
+    figures: dict = {"candidates": {}, "load_average": busy()}
+    if figures["load_average"]:
+        report(f"the machine is busy (load average {figures['load_average']:.1f} on "
+               f"{usable_cores()} cores): the run shape is chosen from noisy timings; "
+               "--target-compute fixes the compute")
     for compute in computes:
         if quantized:
             set_compute(folder, compute)
         session = _session(root, spec, max_positions)
         exact = rows_identical(session)
-        for pad in ((1, PADDED) if compute == "float" else (PADDED,)):
-            session.min_run_tokens = pad
-            costs = run_costs(session)
+        pads = (1, PADDED) if compute == "float" else (PADDED,)
+        for pad, costs in run_costs(session, pads).items():
             figures["candidates"][Candidate(compute, pad).name] = {
                 "compute": compute, "min_run_tokens": pad, "exact": pad > 1 and exact, **costs}
         del session
@@ -108,6 +112,13 @@ def choose_runs(root: Path, spec: ModelSpec, max_positions: int, requested: str 
            + "; ".join(f"{n}: {c['step_ms']:.1f} / {c['verify_ms']:.1f} ms"
                        for n, c in figures["candidates"].items() if n != chosen.name) + ")")
     return replace(spec, compute=chosen.compute, min_run_tokens=chosen.min_run_tokens), figures
+
+
+def busy() -> float | None:
+    """The load average over the last minute when it shows other work on more than half the
+    cores export may time on, else None."""
+    load = load_average()
+    return load[0] if load and load[0] > 0.5 * usable_cores() else None
 
 
 def _pick(candidates: dict) -> Candidate | None:

@@ -5,8 +5,10 @@ The adaptive schedule needs the time of a draft step and of target runs on 1..k+
 process; the costs depend only on the graphs, the CPU, the onnxruntime build and the thread
 settings, so the first process stores them and later ones read them back.
 
-The store is one JSON file in the user's cache folder: ``$EDGESPEC_CACHE_DIR``, else
-``$XDG_CACHE_HOME/edgespec``, else ``~/.cache/edgespec``. Delete it to measure again.
+The store is one JSON file in the user's cache folder: ``$EDGESPEC_CACHE_DIR``, else the
+platform's (platformdirs: ``$XDG_CACHE_HOME/edgespec`` or ``~/.cache/edgespec`` on Linux,
+``~/Library/Caches/edgespec`` on macOS, ``%LOCALAPPDATA%\\edgespec\\Cache`` on Windows).
+Delete it to measure again.
 An unreadable or foreign file is ignored (and replaced on the next store); a folder that cannot
 be written leaves the costs unstored, never a failed generation.
 """
@@ -21,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import platformdirs
+
 from edgespec.runtime.machine import cpu_model, onnxruntime_build, usable_cores
 from edgespec.runtime.schedule import StepCosts
 
@@ -34,12 +38,11 @@ def cache_folder() -> Path | None:
     without a passwd entry, as in some containers): costs are then measured, not stored."""
     if folder := os.environ.get("EDGESPEC_CACHE_DIR"):
         return Path(folder)
-    if base := os.environ.get("XDG_CACHE_HOME"):
-        return Path(base) / "edgespec"
     try:
-        return Path.home() / ".cache" / "edgespec"
-    except (RuntimeError, KeyError):
+        folder = Path(platformdirs.user_cache_dir("edgespec", appauthor=False))
+    except RuntimeError:  # platformdirs could not name the home folder
         return None
+    return folder if folder.is_absolute() else None  # "~" left as it is: no home to name
 
 
 def package_stamp(package: Path, model_paths: list[str]) -> str:

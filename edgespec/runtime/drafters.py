@@ -1,14 +1,16 @@
 """What proposes the draft tokens: the seam between the speculative round and its drafters.
 
-A drafter answers one question, ``q(tokens)``: its proposal for the token after ``tokens``, a
-row q (``Dist``; a point mass for the n-gram lookup and for greedy drafts) or None (no
-proposal: the position is drawn from p alone). ``propose`` chains those questions for up to k
-positions, and ``rollback`` forgets the drafted tokens the target rejected.
+A drafter answers one question, ``next_row(tokens)``: its proposal q for the token after
+``tokens``, a row (``Dist``; a point mass for the n-gram lookup and for greedy drafts) or None
+(no proposal: the position is drawn from p alone). Answering runs the drafter (a draft model's
+session, an index lookup) and moves its state on to cover ``tokens``. ``propose`` chains those
+questions for up to k positions, and ``rollback`` forgets the drafted tokens the target
+rejected.
 
 Exactness needs one property of every drafter: **its proposal for position n is a function of
 the tokens before n only** (not of where the round began or what was drafted and rolled back).
 Then every position's token is ``position_token(p_n, q_n, u[n])`` however the positions are cut
-into rounds (sampling.py), and a seed gives the same text whatever k or the schedule.
+into rounds (sampling.py), and a seed gives the same text whatever fixed k.
 
 - ``ModelDrafter``: the package's draft model (one run per position, its cache cropped back).
 - ``NgramDrafter``: prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_
@@ -45,10 +47,11 @@ class Drafter:
     def prefill(self, prompt: list[int]) -> None:
         """Take in the prompt before the first round (the model: all but its last token)."""
 
-    def q(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig
-          ) -> Dist | None:
-        """The proposal for the token after ``committed + drafted``: a row, a point mass, or
-        None (the two apart so that no round copies the whole text)."""
+    def next_row(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig
+                 ) -> Dist | None:
+        """The proposal q for the token after ``committed + drafted`` (the two apart so that no
+        round copies the whole text): a row, a point mass, or None. Runs the drafter, whose
+        state then covers those tokens (``rollback`` takes it back)."""
         return None
 
     def rollback(self, length: int) -> None:
@@ -65,7 +68,7 @@ class Drafter:
         """
         tokens, rows = [], []
         for i in range(k):
-            q = self.q(committed, tokens, sampling)
+            q = self.next_row(committed, tokens, sampling)
             if q is None:
                 break
             rows.append(q)
@@ -94,7 +97,8 @@ class ModelDrafter(Drafter):
         if len(prompt) > 1:
             self.session.forward(np.array(prompt[:-1]), self.cache)
 
-    def q(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig) -> Dist:
+    def next_row(self, committed: list[int], drafted: Sequence[int],
+                 sampling: SamplingConfig) -> Dist:
         start = time.perf_counter()
         fed = np.array(tokens_from(committed, drafted, self.cache.length))
         logits = self.session.forward(fed, self.cache)[-1]  # [V], or [N] for a subset draft
@@ -173,8 +177,8 @@ class NgramDrafter(Drafter):
     def prefill(self, prompt: list[int]) -> None:
         self.index.extend(prompt)
 
-    def q(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig
-          ) -> Dist | None:
+    def next_row(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig
+                 ) -> Dist | None:
         start = time.perf_counter()
         index = self.index
         known = len(index.tokens)

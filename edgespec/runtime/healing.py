@@ -24,11 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
+from edgespec.runtime.text import INCOMPLETE
+
 # Tokens of the prompt decoded before its last one when working out the removed text: enough
 # for a decoder's context (a space it joins with, a character split over byte tokens); the
 # stream decodes the generated tokens after the same ones, so the two texts agree.
 CONTEXT = 4
-_INCOMPLETE = "\ufffd"  # a byte-level decoder's partial UTF-8 sequence
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def token_texts(tokenizer: Tokenizer, special: Collection[int]) -> list[str | No
 
 def _plain(text: str) -> bool:
     """A text to anchor on: whole characters, and no space for a decoder to join or strip."""
-    return bool(text) and _INCOMPLETE not in text and text == text.strip()
+    return bool(text) and INCOMPLETE not in text and text == text.strip()
 
 
 def heal(
@@ -127,7 +128,7 @@ def heal(
     if not after.startswith(before) or len(after) == len(before):
         return None
     removed = after[len(before) :]
-    if _INCOMPLETE in removed:
+    if INCOMPLETE in removed:
         return None
     allowed = np.union1d(index().extending(removed), [ids[-1]]).astype(np.int64)
     if len(allowed) == 1:

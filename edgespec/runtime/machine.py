@@ -3,6 +3,10 @@
 Speed ratios move with the CPU (its caches decide whether a draft's weights stay close), the
 cores edgespec may use, the onnxruntime build and how busy the machine was. Every bench result
 carries these, and the calibration cache (calibration.py) is keyed by them.
+
+Standard library only (benchmarks/common.py loads this file in the peers' environments, which
+have no edgespec). CPU facts come from the kernel (/proc/cpuinfo, sysfs) rather than
+py-cpuinfo, which took 1.4 s here and reported this VM's L3 as 1 MiB (sysfs: 32 MiB).
 """
 
 from __future__ import annotations
@@ -13,6 +17,12 @@ from importlib import metadata
 from pathlib import Path
 
 _CACHE_FOLDER = Path("/sys/devices/system/cpu/cpu0/cache")
+# Distributions that all install the one `onnxruntime` module: with two of them installed, the
+# last one written overwrote the other's files (pip install "edgespec[gpu]" brings the CPU
+# build, a dependency, beside the GPU one, and the CPU build usually wins).
+ONNXRUNTIME_BUILDS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml",
+                      "onnxruntime-openvino", "onnxruntime-qnn", "onnxruntime-rocm",
+                      "onnxruntime-migraphx", "onnxruntime-training")
 
 
 def cpu_model() -> str:
@@ -61,7 +71,7 @@ def memory_bytes() -> int | None:
 
 def onnxruntime_build() -> str:
     """The installed onnxruntime distribution and version, e.g. "onnxruntime 1.32.0"."""
-    for name in ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino"):
+    for name in ONNXRUNTIME_BUILDS:
         try:
             return f"{name} {metadata.version(name)}"
         except metadata.PackageNotFoundError:

@@ -12,12 +12,13 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from edgespec.config import GenerationConfig, SamplingConfig
+from edgespec.config import GenerationConfig, SamplingConfig, resolve_sampling
 from edgespec.errors import ConfigError, GenerationError, ManifestError
 from edgespec.manifest import Manifest
 from edgespec.runtime import calibration
 from edgespec.runtime.drafters import make_drafter, resolve_drafter
 from edgespec.runtime.healing import Healing, PrefixIndex, heal
+from edgespec.runtime.package_checks import check_tokenizer
 from edgespec.runtime.schedule import (
     AdaptiveSchedule,
     FixedSchedule,
@@ -30,7 +31,7 @@ from edgespec.runtime.providers import SessionConfig, default_session_configs
 from edgespec.runtime.session import ModelSession, read_token_ids
 from edgespec.runtime.speculative import decode, request_positions
 from edgespec.runtime.stats import GenerationStats
-from edgespec.runtime.text import IncrementalDecoder, StopMatcher
+from edgespec.runtime.text import TextAssembler
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingConfig)}
 # The adaptive schedule's largest k: it calibrates a target run on every length up to k + 1,
@@ -118,7 +119,7 @@ class Pipeline:
             warnings.warn(warning, stacklevel=2)
         # the package's sampling defaults (its target's generation_config.json), for requests
         # that set none; without them greedy, GenerationConfig's default
-        self.default_sampling = SamplingConfig(**m.generation)
+        self.default_sampling = resolve_sampling({}, m.generation)
         # the files the sessions were loaded from (a re-export later must not take their costs)
         self._package_stamp = calibration.package_stamp(
             self.path, [spec.path for spec in m.models.values()])
@@ -164,11 +165,13 @@ class Pipeline:
             return None
         return heal(prompt_ids, self.tokenizer, self.special_ids, lambda: self.prefix_index)
 
-    def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None, **settings) -> TextStream:
+    def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None,
+               prompt_ids: list[int] | None = None, **settings) -> TextStream:
         """Generate, yielding text pieces as they are decoded. Settings as for ``generate``;
-        ``prompt`` as for ``encode``: text or token ids (never healed)."""
+        ``prompt`` as for ``encode``: text or token ids (never healed). ``prompt_ids``: what
+        ``encode(prompt)`` returned, for a caller that tokenized the prompt already."""
         config = make_config(config, self.default_sampling, **settings)
-        prompt_ids = self.encode(prompt)
+        prompt_ids = self.encode(prompt) if prompt_ids is None else prompt_ids
         limit = self.manifest.max_positions
         if len(prompt_ids) >= limit:
             raise GenerationError(
@@ -178,19 +181,18 @@ class Pipeline:
         drafter = resolve_drafter(config, has_draft=self.draft is not None)
         threads = {role: c.threads for role, c in self.session_configs.items()}
         stats = GenerationStats(speculative=drafter != "none", threads=threads, drafter=drafter)
-        generated: list[int] = []
-
+        text: TextAssembler | None = None  # made once the prompt is healed (or not)
         cancelled = threading.Event()
 
         def pieces() -> Iterator[str]:
+            nonlocal text
             if cancelled.is_set():  # before the prefill and any measuring of costs
                 stats.finish_reason = "cancelled"
                 return
             healing = self.heal(prompt, prompt_ids) if config.token_healing else None
             stats.healed = healing.removed if healing else ""
-            detok = IncrementalDecoder(self.tokenizer, healing.context if healing else None)
-            stops = StopMatcher(config.stop)
-            unhealed = _Unprefix(stats.healed)  # the healed text, in the prompt already
+            text = TextAssembler(self.tokenizer, config.stop, healing.context if healing else None,
+                                 stats.healed)
             eos = set() if config.ignore_eos else set(self.manifest.eos_token_ids)
             schedule = self._schedule(config, drafter, stats)  # adaptive may measure costs first
             ids = healing.prompt if healing else prompt_ids
@@ -202,32 +204,20 @@ class Pipeline:
                 if cancelled.is_set():  # checked every round, whether or not it made text
                     stats.finish_reason = "cancelled"
                     return
-                if config.stop:  # token by token: a stop string ends the ids at its last token
-                    text, stopped = "", False
-                    for token in new:
-                        generated.append(token)
-                        piece, stopped = stops.feed(unhealed(detok.add([token])))
-                        text += piece
-                        if stopped:
-                            break
-                else:
-                    generated.extend(new)
-                    text, stopped = unhealed(detok.add(new)), False
-                if text:
-                    yield text
-                if stopped:  # the round's tokens after the stop string are not returned
-                    stats.new_tokens = len(generated)
+                if piece := text.add(new):
+                    yield piece
+                if text.stopped:  # the round's tokens after the stop string are not returned
+                    stats.new_tokens = len(text.tokens)
                     stats.finish_reason = "stop_string"
                     return
-            # a character left incomplete at the end
-            text, stopped = stops.feed(unhealed(detok.flush()))
-            if stopped:
+            tail = text.finish()
+            if text.stopped:
                 stats.finish_reason = "stop_string"
-            if tail := text + stops.flush():
+            if tail:
                 yield tail
 
-        return TextStream(pieces(), lambda text: GenerationResult(text, generated, stats),
-                          cancelled)
+        return TextStream(pieces(), lambda out: GenerationResult(
+            out, text.tokens if text else [], stats), cancelled)
 
     def _schedule(self, config: GenerationConfig, drafter: str,
                   stats: GenerationStats) -> Schedule:
@@ -293,27 +283,6 @@ class Pipeline:
         return stream.result
 
 
-class _Unprefix:
-    """Drop ``prefix`` from the start of a text stream, however it is cut into pieces.
-
-    Token healing's first token starts with the healed text by construction (its allowed
-    set), so anything else is a bug, raised as one.
-    """
-
-    def __init__(self, prefix: str):
-        self.rest = prefix
-
-    def __call__(self, piece: str) -> str:
-        if not self.rest:
-            return piece
-        n = min(len(piece), len(self.rest))
-        if piece[:n] != self.rest[:n]:
-            raise RuntimeError(f"token healing: the generated text {piece!r} does not start "
-                               f"with the healed text {self.rest!r}")
-        self.rest = self.rest[n:]
-        return piece[n:]
-
-
 def load_tokenizer(folder: Path, manifest: Manifest) -> Tokenizer:
     """The package's tokenizer, refused unless it fits the manifest: no more tokens than the
     shared vocabulary (a token past it has no logit), and every special id one of its tokens."""
@@ -337,6 +306,7 @@ def load_tokenizer(folder: Path, manifest: Manifest) -> Tokenizer:
         for i in ids:
             if i is not None and tokenizer.id_to_token(i) is None:
                 raise ManifestError(f"{name} {i} is not a token of {path}; re-export the pair")
+    check_tokenizer(path, tokenizer, manifest.tokenizer_fingerprint)
     return tokenizer
 
 
@@ -379,7 +349,6 @@ def make_config(config: GenerationConfig | None = None,
             f"config must be a GenerationConfig, got {type(config).__name__}; "
             "pass settings as keywords"
         )
-    config = config or GenerationConfig(sampling=default_sampling or SamplingConfig())
     sampling = {k: settings.pop(k) for k in list(settings) if k in _SAMPLING_FIELDS}
     if "stop" in settings:
         stop = settings["stop"]
@@ -391,20 +360,23 @@ def make_config(config: GenerationConfig | None = None,
         known = _SAMPLING_FIELDS | ({f.name for f in fields(GenerationConfig)} - {"sampling"})
         raise ConfigError(f"unknown generation setting(s): {', '.join(sorted(unknown))}; "
                           f"known: {', '.join(sorted(known))}")
+    if config is None:  # the package's defaults, then what is given (config.resolve_sampling)
+        base = asdict(default_sampling) if default_sampling else {}
+        return replace(GenerationConfig(sampling=resolve_sampling(sampling, base)), **settings)
     if sampling:
         settings["sampling"] = replace(config.sampling, **sampling)
     return replace(config, **settings)
 
 
 def load(
-    path: str | Path,
+    path: str | Path | None = None,
     provider: str = "auto",
     draft_provider: str | None = None,
     target: SessionConfig | None = None,
     draft: SessionConfig | None = None,
     calibration_cache: bool = True,
 ) -> Pipeline:
-    """Load an exported package.
+    """Load an exported package (``path`` None: the bundled demo pair).
 
     provider: where both models run ("auto", "cpu", "cuda", "tensorrt"); draft_provider, if
     given, overrides it for the draft (a tiny draft can stay on the CPU next to a GPU target).
@@ -412,4 +384,8 @@ def load(
     calibration_cache: read the adaptive schedule's step costs from, and store them in, the
         user's cache folder (runtime/calibration.py); False measures them in this process.
     """
+    if path is None:
+        from edgespec.models import demo_package
+
+        path = demo_package()
     return Pipeline(path, target, draft, provider, draft_provider, calibration_cache)

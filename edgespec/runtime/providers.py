@@ -12,6 +12,7 @@ import onnxruntime as ort
 
 from edgespec.config import PROVIDERS
 from edgespec.errors import ConfigError
+from edgespec.runtime.machine import ONNXRUNTIME_BUILDS, usable_cores
 
 PROVIDER_NAMES = {
     "cpu": "CPUExecutionProvider",
@@ -22,14 +23,12 @@ _FALLBACKS = {"tensorrt": ["tensorrt", "cuda", "cpu"], "cuda": ["cuda", "cpu"], 
 # Distributions that all install the one `onnxruntime` module: with two of them installed, the
 # last one written overwrote the other's files (pip install "edgespec[gpu]" brings the CPU
 # build, a dependency, beside the GPU one, and the CPU build usually wins).
-_BUILDS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino",
-           "onnxruntime-qnn", "onnxruntime-rocm", "onnxruntime-migraphx", "onnxruntime-training")
 
 
 def installed_builds() -> tuple[str, ...]:
     """The onnxruntime distributions installed, as ``name version``."""
     found = []
-    for name in _BUILDS:
+    for name in ONNXRUNTIME_BUILDS:
         try:
             found.append(f"{name} {metadata.version(name)}")
         except metadata.PackageNotFoundError:
@@ -92,7 +91,7 @@ def default_session_configs(
     spinning target: SmolLM2-135M 29.0 -> 24.9 ms a step, Qwen2.5-0.5B 93.3 -> 75.5 ms;
     ``python benchmarks/real_shapes.py run``, results in benchmarks/RESULTS.md).
     """
-    cores = os.cpu_count() or 1
+    cores = usable_cores()  # not os.cpu_count(): a container's share, not the host's CPUs
     target = SessionConfig(provider, threads=cores, spin=True)
     draft_threads = cores if draft_parameters >= LARGE_DRAFT_PARAMETERS else 1
     return target, SessionConfig(draft_provider or provider, threads=draft_threads, spin=False)

@@ -46,20 +46,33 @@ def rows_identical(session: ModelSession, from_tokens: int = PADDED, trials: int
         session.min_run_tokens = saved
 
 
-def run_costs(session: ModelSession, repeats: int = 5) -> dict:
-    """Median ms of a one-token step and of a VERIFY-token run after PAST tokens (fewer if the
-    context is shorter)."""
+def run_costs(session: ModelSession, pads: tuple[int, ...] = (1,), repeats: int = 7
+              ) -> dict[int, dict[str, float]]:
+    """Per ``min_run_tokens`` in ``pads``: median ms of a one-token step and of a VERIFY-token
+    run after PAST tokens (fewer if the context is shorter).
+
+    The settings take turns within each repeat, so that a machine getting busier or quieter
+    meanwhile moves them alike (they differ by a few percent, as noise does); the first
+    repeat pays for allocations and is dropped.
+    """
     past = max(1, min(PAST, session.max_positions - VERIFY - PADDED))
     ids = np.random.default_rng(1).integers(0, session.vocab_size, size=past + VERIFY)
     cache = session.new_cache(past + VERIFY + PADDED)
     session.forward(ids[:past], cache)
-    medians = {}
-    for name, n in (("step_ms", 1), ("verify_ms", VERIFY)):
-        times = []
-        for _ in range(repeats + 1):  # the first run pays for allocations: dropped
-            start = time.perf_counter()
-            session.forward(ids[past : past + n], cache)
-            times.append(time.perf_counter() - start)
-            cache.crop(past)
-        medians[name] = 1e3 * statistics.median(times[1:])
-    return medians
+    times = {(pad, name): [] for pad in pads for name in ("step_ms", "verify_ms")}
+    saved = session.min_run_tokens
+    try:
+        for repeat in range(repeats + 1):
+            for pad in pads:
+                session.min_run_tokens = pad
+                for name, n in (("step_ms", 1), ("verify_ms", VERIFY)):
+                    start = time.perf_counter()
+                    session.forward(ids[past : past + n], cache)
+                    elapsed = time.perf_counter() - start
+                    cache.crop(past)
+                    if repeat:
+                        times[pad, name].append(1e3 * elapsed)
+    finally:
+        session.min_run_tokens = saved
+    return {pad: {name: statistics.median(times[pad, name]) for name in ("step_ms", "verify_ms")}
+            for pad in pads}

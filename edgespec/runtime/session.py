@@ -10,6 +10,7 @@ import onnxruntime as ort
 from edgespec.errors import ManifestError
 from edgespec.manifest import ModelSpec
 from edgespec.runtime.kv_cache import InPlaceKVCache, KVCache
+from edgespec.runtime.package_checks import check_graph_io, check_probe_run
 from edgespec.runtime.providers import SessionConfig, fallback_warning, provider_chain
 
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -48,11 +49,14 @@ class ModelSession:
         self.vocab_size = vocab_size
         # a draft scoring a subset of the vocabulary: column j of its logits is token_ids[j]
         self.token_ids = token_ids
+        check_graph_io(path, spec, vocab_size, max_positions, self.session.get_inputs(),
+                       self.session.get_outputs())
         self._read_graph(spec)
         self.in_place = spec.graph == "fused"
         self.min_run_tokens = spec.min_run_tokens
         self.max_positions = max_positions
         self.device = "cuda" if self.providers[0] != "CPUExecutionProvider" else "cpu"
+        check_probe_run(path, self)  # a graph that cannot decode fails here, not at a request
 
     def _read_graph(self, spec: ModelSpec) -> None:
         inputs = {i.name: i for i in self.session.get_inputs()}

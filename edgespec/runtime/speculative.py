@@ -31,7 +31,7 @@ from edgespec.runtime.stats import GenerationStats
 
 
 @dataclass
-class Decoder:
+class TargetRunner:
     """The target's session and cache during one generation; it times its own runs.
 
     ``stats`` None: untimed (the prefill, timed as a whole).
@@ -43,7 +43,7 @@ class Decoder:
 
     @classmethod
     def start(cls, session: ModelSession, positions: int | None = None,
-              stats: GenerationStats | None = None) -> "Decoder":
+              stats: GenerationStats | None = None) -> "TargetRunner":
         """An empty cache with room for ``positions`` tokens to start with (it grows if needed)."""
         return cls(session, session.new_cache(positions), stats)
 
@@ -76,7 +76,7 @@ class Round:
 
 
 def speculative_round(
-    target: Decoder,
+    target: TargetRunner,
     drafter: Drafter,
     committed: list[int],
     k: int,
@@ -123,7 +123,7 @@ def speculative_round(
     #    x = F_q_k^-1(u[k, 0]) tested against p_k (row k) as in step 3; no proposal, or k = 0
     #    (drafting off: a plain target step, the drafter not asked): F_p_k^-1(u[k, 0])
     if next_token is None:
-        q = drafter.q(committed, draft_tokens, sampling) if k else None
+        q = drafter.next_row(committed, draft_tokens, sampling) if k else None
         with _timed(stats, "sampling_s"):
             p = process_row(logits[k], sampling)
             next_token = p.draw(u[k, 0]) if q is None else position_token(p, q, u[k])
@@ -137,7 +137,7 @@ def speculative_round(
 
 
 def constrained_step(
-    target: Decoder,
+    target: TargetRunner,
     committed: list[int],
     allowed: np.ndarray,
     sampling: SamplingConfig,
@@ -195,13 +195,13 @@ def decode(
     stats.prompt_tokens = len(prompt)
     speculative = drafter.name != "none"
     positions = request_positions(len(prompt), config)
-    target_decoder = Decoder.start(target, positions)
+    target_runner = TargetRunner.start(target, positions)
     # Prefill: every prompt token but the last, so the invariant holds from the first round.
     with _timed(stats, "prefill_s"):
         if len(prompt) > 1:
-            target_decoder.run(committed[:-1])
+            target_runner.run(committed[:-1])
         drafter.prefill(committed)
-    target_decoder.stats = stats
+    target_runner.stats = stats
 
     while True:
         room = min(config.max_new_tokens - stats.new_tokens, max_positions - len(committed))
@@ -210,7 +210,7 @@ def decode(
             # ids, drawn identically in target-only and speculative decoding and never drafted,
             # so it is exact by construction (and a seed gives the same token whatever k or
             # the schedule). A target step: counted as a k = 0 round, not shown the schedule.
-            new = [constrained_step(target_decoder, committed, first_allowed, config.sampling,
+            new = [constrained_step(target_runner, committed, first_allowed, config.sampling,
                                     uniforms, stats)]
             first_allowed = None
             if speculative:
@@ -222,7 +222,7 @@ def decode(
             # a fixed k >= 1 is drawn from (p, q, u) alike: one seed, one text, whatever k.
             wanted = schedule.next_k() if speculative else 0
             k = min(wanted, max(room - 1, 1))
-            done = speculative_round(target_decoder, drafter, committed, k, config.sampling,
+            done = speculative_round(target_runner, drafter, committed, k, config.sampling,
                                      uniforms, stats)
             new = done.tokens
             if done.drafted:
@@ -230,13 +230,13 @@ def decode(
             if speculative:
                 stats.draft_lengths[done.drafted] = stats.draft_lengths.get(done.drafted, 0) + 1
                 schedule.update(done.drafted, n_accepted=done.accepted)
-        if target_decoder.cache.length != len(committed) + len(new) - 1:
-            raise CacheError(f"the target's cache covers {target_decoder.cache.length} tokens, "
+        if target_runner.cache.length != len(committed) + len(new) - 1:
+            raise CacheError(f"the target's cache covers {target_runner.cache.length} tokens, "
                              f"not the {len(committed) + len(new) - 1} committed before the last")
 
         if len(new) > room:  # the last round's surplus token: dropped, and the caches with it
             new = new[:room]
-            target_decoder.cache.crop(len(committed) + room - 1)
+            target_runner.cache.crop(len(committed) + room - 1)
             drafter.rollback(len(committed) + room - 1)
         ends_at_eos = next((i for i, t in enumerate(new) if t in eos_token_ids), None)
         if ends_at_eos is not None:

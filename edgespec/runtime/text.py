@@ -1,13 +1,14 @@
-"""Turning a growing list of token ids into text pieces, whole characters only, and stop strings."""
+"""Turning a growing list of token ids into text pieces: whole characters only, a healed prompt's
+regrown text left out, cut at stop strings (``TextAssembler`` ties the three together)."""
 
 from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-_INCOMPLETE = "\ufffd"  # what a byte-level decoder shows for a partial UTF-8 sequence
+INCOMPLETE = "\ufffd"  # what a byte-level decoder shows for a partial UTF-8 sequence
 
 
-class IncrementalDecoder:
+class Detokenizer:
     """Emit the text added by each new batch of tokens, never half a character.
 
     Decoding tokens one at a time breaks multi-byte characters split across tokens and drops
@@ -44,7 +45,7 @@ class IncrementalDecoder:
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_start : self.emit_start], skip_special_tokens=True)
         window = decode(self.ids[self.prefix_start :], skip_special_tokens=True)
-        if len(window) <= len(prefix) or (window.endswith(_INCOMPLETE) and not final):
+        if len(window) <= len(prefix) or (window.endswith(INCOMPLETE) and not final):
             return ""
         self.prefix_start, self.emit_start = self.emit_start, len(self.ids)
         return window[len(prefix) :]
@@ -80,3 +81,64 @@ def _overlap(text: str, stop: str) -> int:
         if text.endswith(stop[:n]):
             return n
     return 0
+
+
+class Unprefix:
+    """Drop ``prefix`` from the start of a text stream, however it is cut into pieces.
+
+    Token healing's first token starts with the healed text by construction (its allowed
+    set), so anything else is a bug, raised as one.
+    """
+
+    def __init__(self, prefix: str):
+        self.rest = prefix
+
+    def __call__(self, piece: str) -> str:
+        if not self.rest:
+            return piece
+        n = min(len(piece), len(self.rest))
+        if piece[:n] != self.rest[:n]:
+            raise RuntimeError(f"token healing: the generated text {piece!r} does not start "
+                               f"with the healed text {self.rest!r}")
+        self.rest = self.rest[n:]
+        return piece[n:]
+
+
+class TextAssembler:
+    """Generated token ids to the text a caller sees, round by round.
+
+    Detokenized as they come (Detokenizer), the healed text left out (it is in the prompt
+    already: Unprefix), cut before the first stop string (StopMatcher). ``tokens``: the ids
+    kept, ending at the token that completes a stop string; ``stopped``: one was met.
+    ``context``: the prompt's last tokens a healed first token reads after; ``healed``: the
+    text it regrows.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (),
+                 context: list[int] | None = None, healed: str = ""):
+        self.detokenizer = Detokenizer(tokenizer, context)
+        self.stops = StopMatcher(stop)
+        self.unhealed = Unprefix(healed)
+        self.tokens: list[int] = []
+        self.stopped = False
+
+    def add(self, new: list[int]) -> str:
+        """The text one round's tokens add ("" while a character or a possible stop string is
+        incomplete). With stop strings, token by token: the tokens after a stop are not kept."""
+        if not self.stops.stops:
+            self.tokens += new
+            return self.unhealed(self.detokenizer.add(new))
+        text = ""
+        for token in new:
+            self.tokens.append(token)
+            piece, self.stopped = self.stops.feed(self.unhealed(self.detokenizer.add([token])))
+            text += piece
+            if self.stopped:
+                break
+        return text
+
+    def finish(self) -> str:
+        """What is still held back when generation ends: a character left incomplete, the
+        start of a stop string that never completed."""
+        text, self.stopped = self.stops.feed(self.unhealed(self.detokenizer.flush()))
+        return text + self.stops.flush()

@@ -1,13 +1,23 @@
 """The OpenAI-compatible HTTP API over one loaded Pipeline, as an ASGI app (Starlette).
 
-    GET  /health               liveness and the queue's counts
+    GET  /health               liveness and the queue's counts (no API key needed)
+    GET  /metrics              the server's counters in Prometheus's text format
     GET  /v1/models            the one model served
     POST /v1/completions       text completion, plain or streamed (server-sent events)
     POST /v1/chat/completions  chat through the package's chat template
+    POST /tokenize             the token ids of a prompt or a conversation
+    POST /detokenize           the text of token ids
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the
-status saying whose fault it was: 400 bad request, 404 unknown model or path, 413 body too
-large, 429 queue full (with Retry-After), 500 a fault in edgespec.
+status saying whose fault it was: 400 bad request, 401 no or a wrong API key, 404 unknown model
+or path, 408 a body that did not arrive in time, 413 body too large, 415 a body that is not
+JSON, 429 queue full (with Retry-After), 500 a fault in edgespec, its package or a native
+library, 503 the server is stopping. What every request passes first is in middleware.py.
+
+A request takes its place in the queue (worker.py) as soon as its body is read, before its
+prompt is tokenized or its template rendered, and both run in a child process
+(text_process.py) that is killed past a time limit; whatever waits for it gives up with a 503
+when the server starts to stop.
 """
 
 from __future__ import annotations
@@ -18,30 +28,41 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import asdict, dataclass, field
 from functools import partial
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgespec.errors import EdgespecError
-from edgespec.runtime.pipeline import GenerationResult, Pipeline
+from edgespec.config import resolve_sampling
+from edgespec.errors import EdgespecError, ManifestError
+from edgespec.runtime.pipeline import GenerationResult, Pipeline, check_ids, check_text
+from edgespec.serve import middleware
 from edgespec.serve.chat import ChatTemplate, ChatTemplateError
-from edgespec.serve.schemas import ChatCompletionRequest, CompletionRequest, Settings
-from edgespec.serve.worker import Busy, Cancelled, Job, Worker
+from edgespec.serve.config import ServeConfig
+from edgespec.serve.metrics import Metrics, RequestMetrics
+from edgespec.serve.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Settings,
+    TokenizeRequest,
+)
+from edgespec.serve.text_process import TextProcess, TokenizerError
+from edgespec.serve.worker import TIME_LIMIT, Busy, Cancelled, Closing, Job, NativeFault, Worker
 
 log = logging.getLogger("edgespec.serve")
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_BODY = 1 << 20  # bytes; a prompt of a whole context window is far smaller
 RETRY_AFTER_S = 1
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length",
-                  "context_limit": "length"}
+                  "context_limit": "length", TIME_LIMIT: "length"}
 # What a field that takes one of several types must be, said once instead of per type tried
 UNION_FIELDS = {
     "prompt": "a string, a list of token ids, or a list holding one of either",
@@ -62,62 +83,102 @@ class ApiError(Exception):
         self.kind, self.headers = kind, headers
 
     def response_body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
+        return middleware.error_body(self.message, self.kind, self.param, self.code)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.response_body(), status_code=self.status, headers=self.headers)
 
 
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is stopping; retry on another instance or later", None,
+                    "shutting_down", "server_error")
+
+
 @dataclass
 class Server:
-    """What the routes share: the pair, its name, its template and its worker."""
+    """What the routes share: the pair, its name, its template, the worker and the options."""
 
     pipe: Pipeline
     model: str
+    config: ServeConfig
     worker: Worker
     template: ChatTemplate | None
-    max_body: int
-    created: int
+    text: TextProcess  # tokenizing and chat templates, in a child process
+    metrics: Metrics
+    max_prompt_chars: int  # no longer text can fit the context window
+    created: int = field(default_factory=lambda: int(time.time()))
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def stop(self) -> None:
+        """Begin to stop (on the event loop): refuse new work, cancel every generation and
+        render or tokenizing; answers under way then finish with 503 ``shutting_down`` (a
+        stream: an error event and ``[DONE]``)."""
+        self.stopping.set()
+        self.worker.stop()
+        self.text.kill()
 
 
-def build_app(pipe: Pipeline, model: str | None = None, queue: int = 8,
-              max_body: int = MAX_BODY) -> Starlette:
-    """The ASGI app serving ``pipe`` under the name ``model`` (default: the package folder's
-    name), with ``queue`` requests allowed to wait for the one running generation."""
-    if queue < 0:
-        raise EdgespecError(f"the queue must hold 0 or more requests, got {queue}")
-    server = Server(pipe, model or pipe.path.resolve().name, Worker(queue),
-                    ChatTemplate.of_package(pipe.path, pipe.manifest), max_body,
-                    int(time.time()))
+def build_app(pipe: Pipeline, config: ServeConfig | None = None) -> Starlette:
+    """The ASGI app serving ``pipe`` with ``config``'s options (ServeConfig's defaults: the
+    model named after the package folder, 8 requests waiting at most, loopback hosts only)."""
+    config = config or ServeConfig()
+    max_chars = pipe.manifest.max_positions * longest_token(pipe)
+    template = ChatTemplate.of_package(pipe.path, pipe.manifest, max_chars)
+    source = None if template is None else (
+        pipe.path / pipe.manifest.chat_template).read_text(encoding="utf-8")
+    text = TextProcess(pipe.path, template, source, config.template_timeout_s,
+                       config.tokenize_timeout_s)
+    paths = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+             "/tokenize", "/detokenize"}
+    metrics = Metrics(paths)
+    worker = Worker(config.queue, on_result=metrics.record)
+    metrics.watch_queue(worker.counts)
+    server = Server(pipe, config.model or pipe.path.resolve().name, config, worker, template,
+                    text, metrics, max_chars)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        await text.start()
         yield
-        await asyncio.to_thread(server.worker.close)  # running generations end at their round
+        server.stop()  # no-op when the server (server.py) began to stop already
+        await text.close()
+        await asyncio.to_thread(worker.close, 2.0)  # a running round ends first
 
     routes = [
         Route("/health", partial(health, server), methods=["GET"]),
+        Route("/metrics", metrics.endpoint, methods=["GET"]),
         Route("/v1/models", partial(list_models, server), methods=["GET"]),
         Route("/v1/models/{model:path}", partial(get_model, server), methods=["GET"]),
         Route("/v1/completions", partial(completions, server), methods=["POST"]),
         Route("/v1/chat/completions", partial(chat_completions, server), methods=["POST"]),
+        Route("/tokenize", partial(tokenize, server), methods=["POST"]),
+        Route("/detokenize", partial(detokenize, server), methods=["POST"]),
     ]
     handlers = {ApiError: lambda r, e: e.response(), HTTPException: _http_error,
                 Exception: _internal_error}
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    stack = [Middleware(middleware.RequestId), Middleware(RequestMetrics, metrics=metrics),
+             *middleware.stack(config)]
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
+                    middleware=stack)
     app.state.server = server
     return app
 
 
+def longest_token(pipe: Pipeline) -> int:
+    """The most characters one token of the package's tokenizer stands for (at least 1)."""
+    vocab = pipe.tokenizer.get_vocab(with_added_tokens=True)
+    return max(1, max((len(token) for token in vocab), default=1))
+
+
 async def health(server: Server, request: Request) -> JSONResponse:
-    return JSONResponse({"status": "ok", "model": server.model, **server.worker.counts(),
+    return JSONResponse({"status": "stopping" if server.stopping.is_set() else "ok",
+                         "model": server.model, **server.worker.counts(),
                          "queue": server.worker.capacity - 1})
 
 
 def _model_card(server: Server) -> dict:
     return {"id": server.model, "object": "model", "created": server.created,
-            "owned_by": "edgespec"}
+            "owned_by": "edgespec", "max_model_len": server.pipe.manifest.max_positions}
 
 
 async def list_models(server: Server, request: Request) -> JSONResponse:
@@ -130,60 +191,93 @@ async def get_model(server: Server, request: Request) -> JSONResponse:
 
 
 async def completions(server: Server, request: Request) -> Response:
-    body = _parse(CompletionRequest, await _read_body(request, server.max_body))
+    body = _parse(CompletionRequest, await _read_body(request, server))
     _check_settings(server, body)
     prompt = body.single_prompt()
-    # tokenizing a long prompt takes a while: off the event loop, which streams other requests
-    prompt_ids = await asyncio.to_thread(_encode, server, prompt, "prompt")
-    max_tokens = body.max_tokens or COMPLETION_MAX_TOKENS
-    # text goes to the pipeline as text, which token healing needs (ids are never healed)
-    return await _respond(server, request, body, prompt_ids, max_tokens, chat=False,
-                          prompt=prompt)
+    max_tokens = _max_tokens(server, body.max_tokens, "max_tokens") or COMPLETION_MAX_TOKENS
+    _check_chars(server, prompt, "prompt")
+    async with _admitted(server) as job:
+        ids = await _prompt_ids(server, prompt, "prompt")
+        # text goes to the pipeline as text, which token healing needs (ids are never healed)
+        _start(server, job, body, prompt, ids, max_tokens)
+    return await _respond(server, request, body, job, chat=False)
 
 
 async def chat_completions(server: Server, request: Request) -> Response:
-    body = _parse(ChatCompletionRequest, await _read_body(request, server.max_body))
+    body = _parse(ChatCompletionRequest, await _read_body(request, server))
     _check_settings(server, body)
-    if server.template is None:
-        raise ApiError(400, f"the model {server.model} has no chat template (its package was "
-                       "exported from a tokenizer without one, or before edgespec carried "
-                       "them); use /v1/completions, or re-export from a checkpoint whose "
-                       "tokenizer_config.json has a chat_template",
-                       "messages", "chat_template_missing")
-    prompt_ids = await asyncio.to_thread(_encode_chat, server, body)
-    # default: the rest of the context window, where OpenAI's models stop too
-    max_tokens = (body.max_completion_tokens or body.max_tokens
-                  or server.pipe.manifest.max_positions - len(prompt_ids))
-    return await _respond(server, request, body, prompt_ids, max_tokens, chat=True)
+    _check_template(server)
+    asked = (_max_tokens(server, body.max_completion_tokens, "max_completion_tokens")
+             or _max_tokens(server, body.max_tokens, "max_tokens"))
+    async with _admitted(server) as job:
+        ids = await _chat_ids(server, body.messages)
+        # default: the rest of the context window, where OpenAI's models stop too, within the
+        # server's cap, so that one chat cannot hold the generation for the whole context
+        rest = server.pipe.manifest.max_positions - len(ids)
+        _start(server, job, body, ids, ids, asked or min(server.config.max_tokens, rest))
+    return await _respond(server, request, body, job, chat=True)
 
 
-def _encode_chat(server: Server, body: ChatCompletionRequest) -> list[int]:
-    """The conversation rendered with the package's chat template, then its ids."""
+async def tokenize(server: Server, request: Request) -> JSONResponse:
+    body = _parse(TokenizeRequest, await _read_body(request, server))
+    _check_model(server, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "give either prompt (as /v1/completions takes it) or messages (as "
+                       "/v1/chat/completions does), not both", "prompt")
+    async with _admitted(server):
+        if body.messages is not None:
+            _check_template(server)
+            ids = await _chat_ids(server, body.messages)
+        else:
+            _check_chars(server, body.prompt, "prompt")
+            ids = await _prompt_ids(server, body.prompt, "prompt")
+    return JSONResponse({"tokens": ids, "count": len(ids),
+                         "max_model_len": server.pipe.manifest.max_positions})
+
+
+async def detokenize(server: Server, request: Request) -> JSONResponse:
+    body = _parse(DetokenizeRequest, await _read_body(request, server))
+    _check_model(server, body.model)
     try:
-        text = server.template.render([m.as_template_input() for m in body.messages])
-    except ChatTemplateError as e:
-        raise ApiError(400, str(e), "messages") from None
-    # the rendered text holds the template's special tokens (BOS too): none are added
-    return _encode(server, server.pipe.tokenizer.encode(text, add_special_tokens=False).ids,
-                   "messages")
+        ids = check_ids(body.tokens, server.pipe.manifest.vocab_size)
+    except EdgespecError as e:
+        raise ApiError(400, str(e), "tokens") from None
+    async with _admitted(server):
+        text = await _unless_stopping(server, server.text.decode(ids))
+    return JSONResponse({"prompt": text})
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 past ``limit`` bytes, before it is all read."""
+async def _read_body(request: Request, server: Server) -> bytes:
+    """The request body: JSON only (415 otherwise: a web page can send other types to any
+    origin without asking), refused with 413 past ``max_body`` bytes before it is all read,
+    and with 408 if it takes longer than ``read_timeout_s``."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise ApiError(415, f"the body must be JSON, sent with Content-Type: application/json "
+                       f"(got {kind or 'none'})", None, "unsupported_media_type")
+    limit = server.config.max_body
     too_large = ApiError(413, f"the request body is larger than {limit} bytes", None,
                          "request_too_large")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise too_large
-    body = bytearray()
-    try:
+
+    async def read() -> bytes:
+        body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit:
                 raise too_large
+        return bytes(body)
+
+    timeout = server.config.read_timeout_s
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s", None,
+                       "request_timeout") from None
     except ClientDisconnect:  # gone before its request was read: nobody to answer
         raise ApiError(400, "the client disconnected while sending the request") from None
-    return bytes(body)
 
 
 def _parse(schema: type[BaseModel], body: bytes):
@@ -195,15 +289,17 @@ def _parse(schema: type[BaseModel], body: bytes):
         if error["type"] == "json_invalid":
             raise ApiError(400, f"the body is not valid JSON: {error['msg']}") from None
         loc = [str(part) for part in error["loc"]]
-        union = next((i for i, part in enumerate(loc) if part in UNION_FIELDS), None)
-        if union is not None:  # one error per type tried: name the field, not the types
-            param = _param(loc[: union + 1])
-            raise ApiError(400, f"{param} must be {UNION_FIELDS[loc[union]]}", param) from None
         param = _param(loc)
         if not param:
             raise ApiError(400, f"the body must be a JSON object: {error['msg']}") from None
         if error["type"] == "missing":
             raise ApiError(400, f"{param} is required", param) from None
+        if error["type"] == "value_error":  # one of the schema's own rules: say it
+            raise ApiError(400, f"{param}: {error['ctx']['error']}", param) from None
+        union = next((i for i, part in enumerate(loc) if part in UNION_FIELDS), None)
+        if union is not None:  # one error per type tried: name the field, not the types
+            param = _param(loc[: union + 1])
+            raise ApiError(400, f"{param} must be {UNION_FIELDS[loc[union]]}", param) from None
         shown = json.dumps(error.get("input"))
         shown = shown if len(shown) <= 40 else shown[:37] + "..."
         raise ApiError(400, f"{param}: {error['msg']}, got {shown}", param) from None
@@ -227,10 +323,100 @@ def _check_settings(server: Server, body: Settings) -> None:
         raise ApiError(400, refused[1], refused[0], "unsupported_parameter")
 
 
-def _encode(server: Server, prompt: str | list[int], param: str) -> list[int]:
-    """The prompt's ids, refused if they are not text or ids, or fill the context window."""
+def _check_template(server: Server) -> None:
+    if server.template is None:
+        raise ApiError(400, f"the model {server.model} has no chat template (its package was "
+                       "exported from a tokenizer without one, or before edgespec carried "
+                       "them); use /v1/completions, or re-export from a checkpoint whose "
+                       "tokenizer_config.json has a chat_template",
+                       "messages", "chat_template_missing")
+
+
+def _max_tokens(server: Server, asked: int | None, param: str) -> int | None:
+    cap = server.config.max_tokens
+    if asked is not None and asked > cap:
+        raise ApiError(400, f"{param} is {asked} but this server gives at most {cap} tokens "
+                       "per request (its --max-tokens)", param)
+    return asked
+
+
+def _check_chars(server: Server, prompt: str | list[int], param: str) -> None:
+    """Refuse, before tokenizing, a text too long for any tokenization of it to fit."""
+    limit = server.max_prompt_chars
+    if isinstance(prompt, str) and len(prompt) > limit:
+        raise ApiError(400, f"the {param} has {len(prompt)} characters, more than the {limit} "
+                       f"that the context window of {server.pipe.manifest.max_positions} "
+                       "tokens can hold; shorten it", param, "context_length_exceeded")
+
+
+@contextlib.asynccontextmanager
+async def _admitted(server: Server) -> AsyncIterator[Job]:
+    """A place in the queue, from before the prompt is tokenized until the generation ends
+    (or, if none starts, the end of this block); 429 when all are taken."""
     try:
-        ids = server.pipe.encode(prompt)
+        job = server.worker.admit(server.config.request_timeout_s)
+    except Busy:
+        raise ApiError(429, f"the server is busy: {server.worker.capacity} requests are "
+                       "running or waiting; retry later", None, "queue_full", "server_error",
+                       {"Retry-After": str(RETRY_AFTER_S)}) from None
+    except Closing:
+        raise _shutting_down() from None
+    try:
+        yield job
+    finally:
+        if job.stream is None:
+            server.worker.release(job)
+
+
+async def _unless_stopping(server: Server, awaitable: Awaitable):
+    """The awaitable's result, or a 503 (the awaitable cancelled) if the server stops first."""
+    task = asyncio.ensure_future(awaitable)
+    stopping = asyncio.ensure_future(server.stopping.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        if not task.done():
+            task.cancel()
+    if server.stopping.is_set():
+        raise _shutting_down()
+    try:
+        return task.result()
+    except TokenizerError as e:
+        log.error("the tokenizer failed: %s", e)
+        raise ApiError(500, f"the model's tokenizer failed: {e}", None, "tokenizer_error",
+                       "server_error") from None
+
+
+async def _chat_ids(server: Server, messages: list) -> list[int]:
+    """The conversation rendered with the package's chat template and tokenized (in the
+    child process); every fault of the template a 400 naming it."""
+    try:
+        ids = await _unless_stopping(server, server.text.render(
+            [m.as_template_input() for m in messages]))
+    except ChatTemplateError as e:
+        raise ApiError(400, str(e), "messages", "chat_template_error") from None
+    return _check_ids(server, ids, "messages")
+
+
+async def _prompt_ids(server: Server, prompt: str | list[int], param: str) -> list[int]:
+    """The prompt's ids as Pipeline.encode makes them: text tokenized (in the child
+    process), ids checked to be in the vocabulary; refused if they fill the context."""
+    if isinstance(prompt, list):
+        return _check_ids(server, prompt, param)
+    try:
+        check_text(prompt)
+    except EdgespecError as e:
+        raise ApiError(400, str(e), param) from None
+    ids = await _unless_stopping(server, server.text.encode(prompt))
+    if not ids:
+        raise ApiError(400, f"the {param} is empty; give at least one character", param)
+    return _check_ids(server, ids, param)
+
+
+def _check_ids(server: Server, ids: list[int], param: str) -> list[int]:
+    try:
+        ids = check_ids(ids, server.pipe.manifest.vocab_size)
     except EdgespecError as e:
         raise ApiError(400, str(e), param) from None
     limit = server.pipe.manifest.max_positions
@@ -247,56 +433,73 @@ OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}
 
 def _sampling(server: Server, body: Settings) -> dict:
     """The request's sampling settings; those it omits from the package's generation
-    defaults, else OpenAI's."""
-    given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k")
-             if getattr(body, name) is not None}
-    return {**OPENAI_SAMPLING, **server.pipe.manifest.generation, **given}
+    defaults, else OpenAI's (config.resolve_sampling)."""
+    given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k")}
+    return asdict(resolve_sampling(given, server.pipe.manifest.generation, OPENAI_SAMPLING))
 
 
-def _submit(server: Server, body: Settings, prompt: str | list[int], max_tokens: int) -> Job:
+def _start(server: Server, job: Job, body: Settings, prompt: str | list[int],
+           prompt_ids: list[int], max_tokens: int) -> None:
+    """Hand the admitted job its generation. ``prompt``: what the pipeline gets (text, which
+    it may heal, or ids), already tokenized as ``prompt_ids``."""
+    if server.stopping.is_set():
+        raise _shutting_down()
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     try:
         stream = server.pipe.stream(
-            prompt, max_new_tokens=max_tokens, **_sampling(server, body),
-            gamma=body.gamma, schedule=body.schedule,
+            prompt, prompt_ids=prompt_ids, max_new_tokens=max_tokens,
+            **_sampling(server, body), gamma=body.gamma, schedule=body.schedule,
             use_draft=body.use_draft, drafter=body.drafter, seed=body.seed, stop=stop,
             ignore_eos=body.ignore_eos, token_healing=body.token_healing)
-    except EdgespecError as e:  # ConfigError names the setting first: "top_k must be ..."
-        field = str(e).split(" ", 1)[0]
-        raise ApiError(400, str(e), "max_tokens" if field == "max_new_tokens" else
-                       field if field in Settings.model_fields else None) from None
-    try:
-        return server.worker.submit(stream)
-    except Busy:
-        raise ApiError(429, f"the server is busy: one generation is running and "
-                       f"{server.worker.capacity - 1} are waiting; retry later", None,
-                       "queue_full", "server_busy",
-                       {"Retry-After": str(RETRY_AFTER_S)}) from None
+    except EdgespecError as e:  # the schema checked each setting: what is left is the mix
+        raise ApiError(400, str(e)) from None
+    job.prompt_tokens = len(prompt_ids)
+    server.worker.start(job, stream)
 
 
-async def _respond(server: Server, request: Request, body: Settings, prompt_ids: list[int],
-                   max_tokens: int, chat: bool, prompt: str | list[int] | None = None) -> Response:
-    """``prompt``: what the pipeline gets (text or ids), ``prompt_ids`` if not given."""
-    job = _submit(server, body, prompt_ids if prompt is None else prompt, max_tokens)
-    reply = _Reply(server.model, chat, len(prompt_ids))
+async def _respond(server: Server, request: Request, body: Settings, job: Job,
+                   chat: bool) -> Response:
+    reply = _Reply(server, chat, job.prompt_tokens)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(reply.events(job, include_usage), media_type="text/event-stream",
+        return StreamingResponse(reply.events(job, include_usage, request),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
     try:
         result = await job.result()
-    except Cancelled as e:
-        raise ApiError(503, str(e), None, "shutting_down", "server_error") from None
-    except EdgespecError as e:
-        raise ApiError(400, str(e)) from None
+    except Exception as e:
+        raise _generation_error(e) from None
     finally:
         watcher.cancel()
     return JSONResponse(reply.whole(result))
 
 
+def _generation_error(error: Exception) -> Exception:
+    """What a generation that failed answers: the server stopping 503, a fault of the
+    package or a native library 500, a request the pipeline refused 400; anything else is a
+    bug, left to the 500 handler."""
+    if isinstance(error, Cancelled):
+        return _shutting_down()
+    if isinstance(error, NativeFault):
+        return _native_fault(error)
+    if isinstance(error, ManifestError):
+        log.error("the package failed during a generation: %s", error)
+        return ApiError(500, f"the model's package failed: {error}", None, "package_error",
+                        "server_error")
+    if isinstance(error, EdgespecError):
+        return ApiError(400, str(error))
+    return error
+
+
+def _native_fault(error: NativeFault) -> ApiError:
+    log.error("a native library failed: %s", error)
+    return ApiError(500, f"the tokenizer or the model failed inside a native library ({error})",
+                    None, "native_error", "server_error")
+
+
 async def _cancel_on_disconnect(request: Request, job: Job) -> None:
-    """Cancel the job if the client goes away while it waits for a whole answer."""
+    """Cancel the job if the client goes away while it waits for its answer."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
@@ -307,22 +510,23 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> None:
 class _Reply:
     """OpenAI's response objects for one request: a whole one, or stream chunks."""
 
-    def __init__(self, model: str, chat: bool, prompt_tokens: int):
-        self.model, self.chat, self.prompt_tokens = model, chat, prompt_tokens
+    def __init__(self, server: Server, chat: bool, prompt_tokens: int):
+        self.model, self.chat, self.prompt_tokens = server.model, chat, prompt_tokens
+        self.metrics = server.metrics
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.start = time.perf_counter()
 
     def _object(self, kind: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
     def _usage(self, result: GenerationResult) -> dict:
-        # the prompt as decoded: with token healing one token shorter, its last token regrown
-        # by the first completion token, so the total is the context the request used
-        prompt = result.stats.prompt_tokens or self.prompt_tokens
+        # the user's prompt as tokenized (with token healing the generation backed off its
+        # last token, which the first completion token regrows: not counted twice)
         completion = result.stats.new_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
 
     def whole(self, result: GenerationResult) -> dict:
         finish = FINISH_REASONS.get(result.stats.finish_reason, "stop")
@@ -343,9 +547,13 @@ class _Reply:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return _event(self._object(kind, [choice], **extra))
 
-    async def events(self, job: Job, include_usage: bool) -> AsyncIterator[str]:
+    async def events(self, job: Job, include_usage: bool, request: Request) -> AsyncIterator[str]:
         """Server-sent events: text pieces as decoded, a last chunk with the finish reason and
-        edgespec's stats, the usage chunk if asked for, then ``[DONE]``."""
+        edgespec's stats, the usage chunk if asked for, then ``[DONE]``; a failure is an error
+        event before ``[DONE]``. A client that goes away cancels the generation, even while
+        its rounds write nothing."""
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+        first = True
         try:
             if self.chat:
                 yield _event(self._object("chat.completion.chunk", [{
@@ -353,6 +561,9 @@ class _Reply:
                     "logprobs": None, "finish_reason": None}]))
             async for item in job:
                 if isinstance(item, str):
+                    if first:
+                        self.metrics.first_token.observe(time.perf_counter() - self.start)
+                        first = False
                     yield self._chunk(item)
                     continue
                 finish = FINISH_REASONS.get(item.stats.finish_reason, "stop")
@@ -361,16 +572,15 @@ class _Reply:
                     yield _event(self._object(
                         "chat.completion.chunk" if self.chat else "text_completion", [],
                         usage=self._usage(item)))
-        except Cancelled as e:
-            yield _event(ApiError(503, str(e), None, "shutting_down", "server_error")
-                         .response_body())
-        except EdgespecError as e:
-            yield _event(ApiError(400, str(e)).response_body())
-        except Exception as e:  # a fault in edgespec mid-stream: said as a 500 would say it
-            log.exception("internal error while streaming", exc_info=e)
-            yield _event(ApiError(500, f"internal error ({type(e).__name__}); this is a bug in "
-                                       "edgespec", kind="server_error").response_body())
+        except Exception as e:
+            error = _generation_error(e)
+            if not isinstance(error, ApiError):  # a fault in edgespec mid-stream
+                log.error("internal error while streaming", exc_info=e)
+                error = ApiError(500, f"internal error ({type(e).__name__}); this is a bug in "
+                                 "edgespec", kind="server_error")
+            yield _event(error.response_body())
         finally:
+            watcher.cancel()
             job.cancel()  # the client went away: the generation ends at its next round
         yield "data: [DONE]\n\n"
 
@@ -390,6 +600,6 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     """A fault in edgespec: 500 in OpenAI's shape; the server goes on (the log has the trace)."""
-    log.exception("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+    log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
     return ApiError(500, f"internal error ({type(exc).__name__}); this is a bug in edgespec",
                     kind="server_error").response()

@@ -68,6 +68,8 @@ class Settings(_Body):
             raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
         if any(len(s) > STOP_CHARS for s in stops):
             raise ValueError(f"a stop sequence has at most {STOP_CHARS} characters")
+        if any(not s for s in stops):
+            raise ValueError("a stop sequence must not be empty")
         return stop
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -149,3 +151,19 @@ class ChatCompletionRequest(Settings):
             return "response_format", ("response_format (JSON mode, schemas) is not supported; "
                                        "leave it out or give {\"type\": \"text\"}")
         return super().unsupported()
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize: a prompt's ids as /v1/completions takes them (BOS where the tokenizer
+    adds one), or a conversation's as /v1/chat/completions renders it; one of the two."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize: token ids back to text."""
+
+    model: str
+    tokens: list[int] = Field(min_length=1)

@@ -1,15 +1,40 @@
-"""Listening: the socket bound before the models load, and uvicorn running the app on it."""
+"""Listening: the socket bound before the models load, and uvicorn running the app on it.
+
+uvicorn drops idle keep-alive connections, limits how many connections and requests it holds
+(``limit_concurrency``: 503 past it) and how large a request head may grow; what it lacks is
+added here, in a subclass of its HTTP protocol: a client has ``read_timeout_s`` to send a
+request's headers (an idle socket, or headers dribbled a byte at a time, are answered 408 and
+closed), and a head past the size limit is answered 431 rather than 400. The app bounds the
+body's time itself (app.py).
+
+Stopping (SIGTERM, Ctrl-C) cancels the generations first, so that each answer under way ends
+with a 503 ``shutting_down`` (a stream: an error event and ``[DONE]``), then lets uvicorn
+close the connections; whatever still runs after EXIT_S (a tokenizer in a native library
+cannot be interrupted) does not hold the process: it exits all the same.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import socket
+import sys
+import threading
+from collections.abc import Callable
+from http import HTTPStatus
 
+import h11
 import uvicorn
 from starlette.applications import Starlette
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from edgespec.errors import EdgespecError
+from edgespec.serve.config import ServeConfig
+from edgespec.serve.middleware import HEAD_BYTES, error_body
 
-SHUTDOWN_S = 3.0  # on SIGTERM / Ctrl-C: how long running requests may go on before cancelling
+EXIT_S = 4.5  # after the first signal, the process exits by then whatever still runs
+log = logging.getLogger("edgespec.serve")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -33,10 +58,130 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(app: Starlette, sock: socket.socket, shutdown_s: float = SHUTDOWN_S) -> None:
-    """Serve until SIGTERM or Ctrl-C: stop accepting, give running requests ``shutdown_s``
-    seconds, cancel the rest at their next round, then return. uvicorn raises the signal again
-    once it has stopped, so the caller's own handlers still set the exit code."""
-    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=shutdown_s,
-                            lifespan="on")
-    uvicorn.Server(config).run(sockets=[sock])
+def url(host: str, port: int) -> str:
+    """How a client writes the address: an IPv6 host in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run(app: Starlette, sock: socket.socket, config: ServeConfig,
+        listening: Callable[[], None] = lambda: None) -> None:
+    """Serve until SIGTERM or Ctrl-C, calling ``listening`` once the socket accepts
+    connections. uvicorn raises the signal again once it has stopped, so the caller's own
+    handlers still set the exit code."""
+    uvicorn_config = uvicorn.Config(
+        app, log_level="info", lifespan="on", http=_protocol(config.read_timeout_s),
+        timeout_graceful_shutdown=config.shutdown_s, timeout_keep_alive=config.keep_alive_s,
+        limit_concurrency=config.limit_concurrency, h11_max_incomplete_event_size=HEAD_BYTES)
+    _Server(uvicorn_config, app.state.server.stop, listening).run(sockets=[sock])
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that says when it listens, cancels the generations before closing the
+    connections, and exits within EXIT_S of a signal whatever still runs."""
+
+    def __init__(self, config: uvicorn.Config, stop: Callable[[], None],
+                 listening: Callable[[], None]):
+        super().__init__(config)
+        self._stop, self._listening = stop, listening
+        self._deadline: threading.Thread | None = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit:
+            self._listening()
+
+    async def shutdown(self, sockets=None) -> None:
+        self._stop()
+        await super().shutdown(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        super().handle_exit(sig, frame)
+        if self._deadline is None:
+            self._deadline = threading.Thread(target=_exit_after, args=(EXIT_S, sig),
+                                              name="edgespec-exit", daemon=True)
+            self._deadline.start()
+
+
+def _exit_after(seconds: float, sig: int) -> None:
+    """The last resort of a stop: exit with the signal's status (143, 130) after ``seconds``."""
+    threading.Event().wait(seconds)
+    log.warning("still busy %g s after the signal (a tokenizer or template in native code); "
+                "exiting now", seconds)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(128 + sig)
+
+
+def _protocol(read_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline for each request's head and JSON refusals."""
+
+    class Protocol(H11Protocol):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._head_timer = None
+            self._refusal = 400
+            next_event = self.conn.next_event
+
+            def next_event_noting_status():  # h11 knows 431 from 400; uvicorn forgets it
+                try:
+                    return next_event()
+                except h11.RemoteProtocolError as e:
+                    self._refusal = e.error_status_hint
+                    raise
+
+            self.conn.next_event = next_event_noting_status
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._await_head()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self._await_head()  # part of a head: the clock runs from its first byte
+            else:
+                self._head_arrived()
+
+        def connection_lost(self, exc) -> None:
+            self._head_arrived()
+            super().connection_lost(exc)
+
+        def _await_head(self) -> None:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(read_timeout_s, self._head_too_slow)
+
+        def _head_arrived(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_too_slow(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                return  # a request is being answered; pipelined bytes wait for it
+            self._refuse(408, f"the request's headers did not arrive within "
+                              f"{read_timeout_s:g} s", "request_timeout")
+
+        def send_400_response(self, msg: str) -> None:
+            if self._refusal == 431:
+                self._refuse(431, f"the request line and headers are larger than {HEAD_BYTES} "
+                                  "bytes", "request_header_fields_too_large")
+            else:
+                self._refuse(400, "the request is not valid HTTP/1.1", "invalid_http")
+
+        def _refuse(self, status: int, message: str, code: str) -> None:
+            """Answer ``status`` in OpenAI's error shape outside any request, and close."""
+            body = json.dumps(error_body(message, code=code)).encode()
+            head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
+                    "content-type: application/json\r\n"
+                    f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+            self.transport.write(head.encode() + body)
+            self.transport.close()
+
+    return Protocol
+

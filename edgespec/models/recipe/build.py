@@ -22,6 +22,7 @@ from edgespec.models.recipe.evaluate import evaluate
 from edgespec.models.recipe.model import save_checkpoint
 from edgespec.models.recipe.tokenizer import encode_files, train_tokenizer
 from edgespec.models.recipe.train import PhaseStats, Progress, _ignore, distill_draft, train_target
+from edgespec.runtime.machine import usable_cores
 
 PROMPT_COUNT = 24
 
@@ -66,6 +67,7 @@ def build_demo(out_dir: Path, config: RecipeConfig, progress: Progress | None = 
     tokenizer and weights; the report keeps its training figures), so only the draft is made.
     """
     report = progress or _ignore
+    torch.set_num_threads(config.threads or usable_cores())
     seconds: dict[str, float] = {}
     earlier = _earlier_target(target_checkpoint) if target_checkpoint else None
     report(f"data: tokenizing the Python {platform.python_version()} standard library")

@@ -30,6 +30,7 @@ from transformers import LlamaForCausalLM
 
 
 _BATCH = 8  # windows per teacher run
+_GEN_BATCH = 32  # continuations generated together
 Progress = Callable[[str], None]
 
 
@@ -100,3 +101,61 @@ def sparse_kl(q_logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Ten
     kl_top = (p_top * (log_p_top - log_q_top)).sum(-1)
     kl_rest = p_rest * (torch.log(p_rest.clamp_min(1e-12)) - torch.log(q_rest))
     return (kl_top + kl_rest).mean()
+
+
+GENERATION_TEMPERATURES = (0.0, 0.7, 1.0)  # greedy and the bench's sampled settings
+
+
+def target_continuations(target: LlamaForCausalLM, stream: torch.Tensor, tokens: int,
+                         prompt_length: int, new_tokens: int, top_k: int, seed: int,
+                         progress: Progress | None = None) -> TeacherTargets:
+    """The target's own continuations of prompts from ``stream``, with its top K at every
+    position: the text a draft is asked about when decoding (on-policy data, as in DistillSpec,
+    Zhou et al. 2024, "DistillSpec: Improving Speculative Decoding via Knowledge Distillation").
+
+    Prompts are random windows of ``prompt_length`` tokens; each continuation is ``new_tokens``
+    long, drawn greedily or at temperature 0.7 or 1 (GENERATION_TEMPERATURES, in turn per
+    batch), with the KV cache, in batches; about ``tokens`` tokens in all. The windows are
+    prompt + continuation, so the draft also learns the switch from human text to the model's.
+    """
+    report = progress or (lambda line: None)
+    generator = torch.Generator().manual_seed(seed)
+    length = prompt_length + new_tokens - 1  # positions predicted: the last token's row is not
+    count = max(_BATCH, tokens // length // _GEN_BATCH * _GEN_BATCH)
+    windows = torch.empty((count, length + 1), dtype=torch.long)
+    ids_dtype = torch.int16 if target.config.vocab_size <= 2**15 else torch.int32
+    top_ids = torch.empty((count, length, top_k), dtype=ids_dtype)
+    top_logp = torch.empty((count, length, top_k), dtype=torch.float16)
+    report(f"draft: {count} continuations of {new_tokens} tokens by the target")
+    start = last = time.perf_counter()
+    target.eval()
+    for batch, first in enumerate(range(0, count, _GEN_BATCH)):
+        rows = slice(first, first + _GEN_BATCH)
+        starts = torch.randint(0, len(stream) - prompt_length, (_GEN_BATCH, 1), generator=generator)
+        text = stream[starts + torch.arange(prompt_length)]  # [B, P]
+        temperature = GENERATION_TEMPERATURES[batch % len(GENERATION_TEMPERATURES)]
+        logps = []
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = target(text, use_cache=True)
+            logp = F.log_softmax(out.logits.float(), dim=-1)  # [B, P, V]
+            logps.append(logp)
+            for _ in range(new_tokens):
+                last_logp = logps[-1][:, -1]  # [B, V]
+                if temperature == 0:
+                    token = last_logp.argmax(-1, keepdim=True)
+                else:
+                    probs = torch.softmax(last_logp / temperature, dim=-1)
+                    token = torch.multinomial(probs, 1, generator=generator)
+                text = torch.cat([text, token], dim=1)
+                out = target(token, past_key_values=out.past_key_values, use_cache=True)
+                logps.append(F.log_softmax(out.logits.float(), dim=-1))
+        logp = torch.cat(logps, dim=1)  # [B, P + new, V]: the last row predicts past the end
+        windows[rows] = text
+        values, ids = logp[:, :length].topk(top_k, dim=-1)
+        top_ids[rows], top_logp[rows] = ids.to(ids_dtype), values.half()
+        if (now := time.perf_counter()) - last > 60:
+            report(f"draft: {first + _GEN_BATCH}/{count} continuations, {(now - start) / 60:.1f} min")
+            last = now
+    seconds = time.perf_counter() - start
+    report(f"draft: continuations in {seconds / 60:.1f} min")
+    return TeacherTargets(windows, top_ids, top_logp, seconds)

@@ -1,7 +1,6 @@
 """Training on a wall-clock budget: the target on next-token loss, the draft distilled from it."""
 
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -11,7 +10,8 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from edgespec.models.recipe.config import RecipeConfig
-from edgespec.models.recipe.distill import sparse_kl, teacher_targets
+from edgespec.runtime.machine import usable_cores
+from edgespec.models.recipe.distill import sparse_kl, target_continuations, teacher_targets
 from edgespec.models.recipe.model import new_model
 
 Progress = Callable[[str], None]
@@ -19,6 +19,7 @@ Progress = Callable[[str], None]
 _REPORTS_PER_PHASE = 10
 _ADAM_BETAS = (0.9, 0.95)
 _MAX_GRAD_NORM = 1.0
+_PROMPT_TOKENS = 64  # the start of a continuation the target writes for the draft
 
 
 @dataclass(frozen=True)
@@ -70,17 +71,25 @@ def distill_draft(
     """Distil a draft from the target for ``config.draft_minutes`` (distill.py).
 
     The target runs once over the training stream and its top ``distill_top_k`` log-
-    probabilities are kept (not counted in the budget); the draft then trains on those windows,
-    shuffled, minimising (1 - w) * KL(p || q) + w * next-token cross-entropy of q,
+    probabilities are kept, and it writes ``distill_generated_tokens`` of continuations of its
+    own (distill.py; neither counted in the budget); the draft then trains on both, a batch
+    from each in turn at random, minimising (1 - w) * KL(p || q) + w * next-token cross-entropy of q,
     w = hard_loss_weight, with p the target's distribution at temperature 1 (Hinton et al.,
     2015, "Distilling the Knowledge in a Neural Network"). Minimising KL(p || q) raises
     sum_x min(p, q), the rate at which speculative decoding accepts the draft's tokens.
     """
-    targets = teacher_targets(target, train_ids, config.context_length, config.distill_top_k,
-                              progress)
+    sets = [teacher_targets(target, train_ids, config.context_length, config.distill_top_k,
+                            progress)]
+    if config.distill_generated_tokens:
+        sets.append(target_continuations(
+            target, train_ids, config.distill_generated_tokens, _PROMPT_TOKENS,
+            config.context_length - _PROMPT_TOKENS + 1, config.distill_top_k, config.seed,
+            progress))
     draft = new_model(config.draft, tokenizer, config)
 
-    def loss_fn(index: torch.Tensor) -> torch.Tensor:
+    def loss_fn(batch: tuple[int, torch.Tensor]) -> torch.Tensor:
+        which, index = batch
+        targets = sets[which]
         windows = targets.windows[index]
         q_logits = draft(windows[:, :-1]).logits  # [B, T, V]
         soft = sparse_kl(q_logits, targets.top_ids[index], targets.top_logp[index])
@@ -89,8 +98,10 @@ def distill_draft(
         hard = _next_token_loss(q_logits, windows)
         return (1 - config.hard_loss_weight) * soft + config.hard_loss_weight * hard
 
-    def sample(generator: torch.Generator) -> torch.Tensor:
-        return torch.randint(0, len(targets), (config.batch_size,), generator=generator)
+    def sample(generator: torch.Generator) -> tuple[int, torch.Tensor]:
+        """A batch of windows from one set: the corpus and the continuations in turn."""
+        which = int(torch.randint(0, len(sets), (1,), generator=generator))
+        return which, torch.randint(0, len(sets[which]), (config.batch_size,), generator=generator)
 
     stats = _train(
         draft,
@@ -102,7 +113,7 @@ def distill_draft(
         minutes=config.draft_minutes,
         progress=progress,
     )
-    return draft, replace(stats, setup_seconds=targets.seconds)
+    return draft, replace(stats, setup_seconds=sum(t.seconds for t in sets))
 
 
 def _next_token_loss(logits: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
@@ -128,7 +139,7 @@ def _train(
     and leaves the model in eval mode.
     """
     report = progress or _ignore
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(config.threads or usable_cores())
     params = _param_groups(model, config.weight_decay)
     optimizer = torch.optim.AdamW(params, lr=peak_lr, betas=_ADAM_BETAS)
     generator = torch.Generator().manual_seed(config.seed)

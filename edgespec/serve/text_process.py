@@ -1,0 +1,213 @@
+"""Tokenizing and chat templates in a child process, bounded in time and memory.
+
+Both come with the package, so both may be hostile, and neither can be stopped in-process: a
+tokenizer's normalizer runs in Rust holding the GIL (the event loop, the signal handlers and
+every other thread wait for it; a backtracking regex takes minutes), a template can loop for
+hours or allocate in C code. The child holds the package's tokenizer and compiled template,
+lives under an address-space limit, and answers one request per line of JSON; the server
+kills it when a request passes its time limit, when the request that waits for it goes away,
+or when the server stops, and starts a new one for the next request.
+
+    parent -> child   {"package", "template", "name", "max_chars"}       (once)
+    parent -> child   {"encode": text} | {"render": messages} | {"decode": ids}
+    child  -> parent  {"ids": [...]} | {"text": ...} | {"error": ..., "kind": "template"|"native"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+
+import edgespec
+from edgespec.errors import EdgespecError
+from edgespec.serve.chat import ChatTemplate, ChatTemplateError
+
+MEMORY_BYTES = 1 << 30  # address space the child may add to what it holds after start-up
+
+
+class TokenizerError(EdgespecError):
+    """The package's tokenizer failed, panicked, or passed its time or memory limit."""
+
+
+class TextProcess:
+    """The parent's side: one request at a time in the child, each with a time limit."""
+
+    def __init__(self, package: Path, template: ChatTemplate | None, source: str | None,
+                 template_timeout_s: float, tokenize_timeout_s: float):
+        self.template = template
+        self.template_timeout_s, self.tokenize_timeout_s = template_timeout_s, tokenize_timeout_s
+        self.max_chars = template.max_chars if template is not None else 1 << 20
+        self._hello = json.dumps({"package": str(package), "template": source,
+                                  "name": template.name if template else None,
+                                  "max_chars": self.max_chars})
+        self._process: asyncio.subprocess.Process | None = None
+        self._killed: list[asyncio.subprocess.Process] = []  # to reap in close()
+        self._lock: asyncio.Lock | None = None
+
+    async def encode(self, text: str) -> list[int]:
+        """The ids of a prompt, as ``Pipeline.encode`` makes them (BOS where the tokenizer
+        adds one); a TokenizerError if the tokenizer fails or passes its limits."""
+        return await self._ask({"encode": text}, self.tokenize_timeout_s, "tokenizer")
+
+    async def render(self, messages: list[dict]) -> list[int]:
+        """The ids of a conversation rendered with the chat template, tokenized without
+        special tokens (the template writes them); a ChatTemplateError naming the template."""
+        return await self._ask({"render": messages}, self.template_timeout_s, "template")
+
+    async def decode(self, ids: list[int]) -> str:
+        return await self._ask({"decode": ids}, self.tokenize_timeout_s, "tokenizer")
+
+    async def _ask(self, request: dict, timeout_s: float, what: str):
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            process = await self._started()
+            try:
+                process.stdin.write(json.dumps(request).encode() + b"\n")
+                await process.stdin.drain()
+                line = await asyncio.wait_for(process.stdout.readline(), timeout_s)
+            except asyncio.TimeoutError:
+                self.kill()
+                raise self._fault(what, f"took more than {timeout_s:g} s; it was stopped") \
+                    from None
+            except (ConnectionError, ValueError):  # the child died; ValueError: too long a line
+                line = b""
+            except BaseException:  # cancelled (client gone, server stopping): stop the work
+                self.kill()
+                raise
+            if not line:
+                self.kill()
+                raise self._fault(what, "stopped its process (out of memory, or crashed)")
+        reply = json.loads(line)
+        if "error" in reply:
+            error = ChatTemplateError if reply["kind"] == "template" else TokenizerError
+            raise error(reply["error"])
+        return reply["ids"] if "ids" in reply else reply["text"]
+
+    def _fault(self, what: str, how: str) -> EdgespecError:
+        if what == "template":
+            return ChatTemplateError(f"the chat template {self.template.name} (or the tokenizer "
+                                     f"on its text) {how}")
+        return TokenizerError(f"the tokenizer {how}")
+
+    async def _started(self) -> asyncio.subprocess.Process:
+        if self._process is None or self._process.returncode is not None:
+            env = {**os.environ,
+                   "PYTHONPATH": os.pathsep.join(filter(None, [
+                       str(Path(edgespec.__file__).parents[1]), os.environ.get("PYTHONPATH")]))}
+            self._process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "edgespec.serve.text_process",
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL, env=env,
+                start_new_session=True,  # Ctrl-C reaches the server, which ends the child
+                limit=12 * self.max_chars + 4096)  # a reply: the text or ids, as JSON
+            self._process.stdin.write(self._hello.encode() + b"\n")
+        return self._process
+
+    async def start(self) -> None:
+        """Start the child ahead of the first request."""
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            await self._started()
+
+    async def close(self) -> None:
+        """End the child and wait for it, so that nothing of it outlives the event loop."""
+        self.kill()
+        for process in self._killed:
+            await process.wait()
+        self._killed.clear()
+
+    def kill(self) -> None:
+        """End the child now (the next request starts another)."""
+        if self._process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._process.kill()
+            self._killed.append(self._process)
+        self._process = None
+
+
+def _limit_memory() -> None:
+    """Let the child grow by MEMORY_BYTES of address space at most: past it, Python raises
+    MemoryError and Rust aborts the child, instead of the machine running out."""
+    with open("/proc/self/statm") as statm:
+        size = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (size + MEMORY_BYTES, size + MEMORY_BYTES))
+
+
+class _Child:
+    """The child's side: the package's tokenizer and template."""
+
+    def __init__(self, hello: dict):
+        from tokenizers import Tokenizer
+
+        from edgespec.manifest import Manifest
+
+        package = Path(hello["package"])
+        self.manifest = Manifest.read(package)  # loaded and checked by the parent already
+        self.tokenizer = Tokenizer.from_file(str(package / self.manifest.tokenizer))
+        self.template, self.compile_error = None, None
+        if hello["template"] is not None:
+            try:
+                self.template = ChatTemplate(hello["template"], self.manifest.special_tokens,
+                                             hello["name"], hello["max_chars"])
+            except ChatTemplateError as e:
+                self.compile_error = str(e)
+
+    def answer(self, request: dict) -> dict:
+        if "render" in request:
+            try:
+                if self.template is None:
+                    raise ChatTemplateError(self.compile_error or "the package has no template")
+                text = self.template.render(request["render"])
+            except ChatTemplateError as e:
+                return {"error": str(e), "kind": "template"}
+            return {"ids": self._tokenize(text, specials=False)}
+        if "encode" in request:
+            return {"ids": self._tokenize(request["encode"], specials=True)}
+        return {"text": self.tokenizer.decode(request["decode"], skip_special_tokens=False)}
+
+    def _tokenize(self, text: str, specials: bool) -> list[int]:
+        """As Pipeline.encode: the text's ids without the tokenizer's own special tokens, BOS
+        first where the package's tokenizer adds one (tests/test_serve_guards.py compares)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        bos = self.manifest.bos_token_id
+        if specials and self.manifest.add_bos_token and bos is not None:
+            ids = [bos, *ids]
+        return ids
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills the child when the server dies, even by SIGKILL, so that a
+    render stuck in a loop is not left behind (elsewhere it ends at its next read of stdin)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the server died before the call
+        sys.exit(0)
+
+
+def main() -> None:
+    """The child: load the package's tokenizer and template, then answer each line."""
+    for setup in (_limit_memory, _die_with_parent):  # not Linux: the timeouts and the
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # server's kill stay
+            setup()
+    child = _Child(json.loads(sys.stdin.readline()))
+    for line in sys.stdin:
+        try:
+            reply = child.answer(json.loads(line))
+        except BaseException as e:  # a Rust panic is a BaseException; MemoryError too
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            reply = {"error": f"the tokenizer failed ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]})", "kind": "native"}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""`edgespec serve` as a real process against what an attacker or a careless client does over
+sockets and signals: idle and dribbling connections, lying bodies, huge headers, too many
+connections, SIGTERM with answers in flight or a template or tokenizer busy, the API key
+through the openai client, and the lines it prints."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import AuthenticationError, OpenAI
+from serve_helpers import Served, with_normalizer, with_template
+
+from edgespec.models import demo_package
+
+PROMPT = "def fibonacci(n):"
+READ_TIMEOUT = 1  # seconds, for the slow-client tests
+
+
+@pytest.fixture(scope="module")
+def server():
+    served = Served("--read-timeout", str(READ_TIMEOUT), "--limit-concurrency", "40")
+    yield served
+    served.stop()
+
+
+def raw(server: Served) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (10 s at most)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def status_and_error(answer: bytes) -> tuple[int, dict]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+def test_the_serving_line_comes_once_the_socket_listens(server):
+    assert server.listening
+    assert server.lines[-1].startswith("serving demo at http://127.0.0.1:")
+
+
+def test_an_idle_connection_is_answered_408_and_closed(server):
+    with raw(server) as sock:
+        start = time.monotonic()
+        status, error = status_and_error(read_all(sock))
+        waited = time.monotonic() - start
+    assert status == 408 and error["code"] == "request_timeout"
+    assert READ_TIMEOUT * 0.9 <= waited < READ_TIMEOUT + 5
+
+
+def test_connections_dribbling_headers_are_dropped(server):
+    """20 clients sending their headers a byte at a time are all closed after the read
+    timeout, however long they would go on."""
+    request = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 10_000
+    socks = [raw(server) for _ in range(20)]
+    still_open, sent = set(range(len(socks))), 0
+    give_up = time.monotonic() + READ_TIMEOUT + 8
+    while still_open and time.monotonic() < give_up:
+        for n in list(still_open):
+            try:
+                socks[n].send(request[sent:sent + 1])
+            except OSError:  # the server closed it (a reset, or a broken pipe)
+                still_open.discard(n)
+        sent += 1
+        time.sleep(0.05)
+    for sock in socks:
+        sock.close()
+    assert not still_open, f"{len(still_open)} connections still open after {sent} bytes"
+    assert server.health()["status"] == "ok"
+
+
+def test_a_body_shorter_than_its_content_length_is_a_408(server):
+    body = json.dumps({"model": "demo", "prompt": PROMPT}).encode()
+    with raw(server) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                     b"Content-Type: application/json\r\n"
+                     + f"Content-Length: {len(body) + 100}\r\n\r\n".encode() + body)
+        status, error = status_and_error(read_all(sock).split(b"\r\n0\r\n")[0])
+    assert status == 408 and error["code"] == "request_timeout"
+
+
+def test_huge_headers_are_a_431(server):
+    with raw(server) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n"
+                     + b"X-Big: " + b"a" * 40_000 + b"\r\n\r\n")
+        status, error = status_and_error(read_all(sock))
+    assert status == 431 and error["code"] == "request_header_fields_too_large"
+    assert server.health()["status"] == "ok"
+
+
+def test_connections_past_the_limit_get_503(tmp_path):
+    served = Served("--limit-concurrency", "3")
+    try:
+        idle = [raw(served) for _ in range(3)]
+        time.sleep(0.2)
+        refused = httpx.get(f"{served.url}/health")
+        assert refused.status_code == 503
+        for sock in idle:
+            sock.close()
+        time.sleep(0.2)
+        assert served.health()["status"] == "ok"
+    finally:
+        served.stop()
+
+
+def test_big_prompts_are_refused_at_once_and_memory_comes_back(server):
+    def rss_mb() -> float:
+        status = Path(f"/proc/{server.process.pid}/status").read_text()
+        return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+    server.client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)  # warm
+    before = rss_mb()
+    huge = {"model": "demo", "prompt": "x " * 500_000, "max_tokens": 4}  # 1 MB
+    longest = {"model": "demo", "prompt": "x " * 11_000, "max_tokens": 4}  # fits the chars
+
+    def send(body):
+        return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code
+
+    with ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(send, [huge] * 16 + [longest] * 16))
+    assert set(codes) <= {400, 413, 429} and 400 in codes
+    after = server.client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
+    assert after.choices[0].text is not None
+    assert rss_mb() - before < 100
+
+
+def test_the_api_key_through_the_openai_client():
+    served = Served(env={"EDGESPEC_API_KEY": "sk-test"})
+    try:
+        client = OpenAI(base_url=f"{served.url}/v1", api_key="sk-test", max_retries=0)
+        out = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
+        assert out.usage.completion_tokens <= 4
+        stream = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4,
+                                           stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream)
+        with pytest.raises(AuthenticationError):
+            served.client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
+        assert served.health()["status"] == "ok"
+    finally:
+        served.stop()
+
+
+def test_listening_beyond_loopback_without_a_key_warns_in_one_line():
+    served = Served("--host", "0.0.0.0")
+    try:
+        warnings = [line for line in served.lines if line.startswith("warning:")]
+        assert len(warnings) == 1 and "without --api-key" in warnings[0]
+        assert httpx.get(f"{served.url}/health").status_code == 200
+    finally:
+        served.stop()
+
+
+def test_an_ipv6_address_is_printed_in_brackets():
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    served = Served("--host", "::", host="[::1]")
+    try:
+        assert any("at http://[::]:" in line for line in served.lines)
+        assert httpx.get(f"{served.url}/health").status_code == 200
+    finally:
+        served.stop()
+
+
+def stop_and_time(served: Served) -> tuple[int, float]:
+    start = time.monotonic()
+    served.process.send_signal(signal.SIGTERM)
+    code = served.process.wait(15)
+    return code, time.monotonic() - start
+
+
+def wait_until(served: Served, ready, what: str, seconds: float = 20) -> None:
+    """Poll /health until ``ready(health)``; a scenario that never gets there fails."""
+    give_up = time.monotonic() + seconds
+    while not ready(served.health()):
+        assert time.monotonic() < give_up, f"never {what}: {served.health()}"
+        time.sleep(0.01)
+
+
+def test_sigterm_answers_requests_in_flight_with_503_and_ends_streams():
+    """One generation runs (the target alone, 480 tokens: about a second), a streamed one
+    waits behind it; SIGTERM then ends both, each in its own way."""
+    served = Served()
+    try:
+        long = {"model": "demo", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True,
+                "use_draft": False}
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(httpx.post, f"{served.url}/v1/completions", json=long,
+                                timeout=30)
+            wait_until(served, lambda h: h["running"] == 1, "running")
+            with httpx.stream("POST", f"{served.url}/v1/completions",
+                              json={**long, "stream": True}, timeout=30) as response:
+                assert served.health()["running"] == 1, "the first ended too soon: rerun"
+                code, took = stop_and_time(served)
+                rest = [line for line in response.iter_lines() if line.startswith("data: ")]
+            answer = whole.result()
+        assert code == 143 and took < 5, (code, took)
+        assert answer.status_code == 503
+        assert answer.json()["error"]["code"] == "shutting_down"
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["error"]["code"] == "shutting_down"
+        log = "".join(served.lines)
+        assert "Traceback" not in log and "CancelledError" not in log, log
+    finally:
+        served.stop()
+
+
+def test_sigterm_exits_in_time_while_a_template_renders(chat_package, tmp_path):
+    pkg = with_template(chat_package, tmp_path / "slow", "{% for i in range(10000) %}"
+                        "{% for j in range(10000) %}{% endfor %}{% endfor %}")
+    served = Served(str(pkg))
+    try:
+        body = {"model": "slow", "messages": [{"role": "user", "content": "hi"}]}
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{served.url}/v1/chat/completions", json=body,
+                                 timeout=30)
+            wait_until(served, lambda h: h["waiting"] == 1, "rendering")
+            code, took = stop_and_time(served)
+            answer = answer.result()
+        assert code == 143 and took < 5, (code, took)
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down"
+        assert "Traceback" not in "".join(served.lines)
+    finally:
+        served.stop()
+
+
+def test_sigterm_exits_in_time_while_a_tokenizer_is_busy(tmp_path):
+    # onig backtracks on every run of a's: ~0.04 s each, half a minute for this prompt
+    pkg = with_normalizer(demo_package(), tmp_path / "demo",
+                          {"type": "Replace", "pattern": {"Regex": "(a+)+b"}, "content": "b"})
+    served = Served(str(pkg))
+    try:
+        body = {"model": "demo", "prompt": ("a" * 20 + " ") * 700, "max_tokens": 2}
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{served.url}/v1/completions", json=body,
+                                 timeout=60)
+            wait_until(served, lambda h: h["waiting"] == 1, "tokenizing")
+            time.sleep(0.5)  # well into the tokenizer
+            code, took = stop_and_time(served)
+            answer = answer.result()
+        assert code == 143 and took < 5, (code, took)
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down"
+        assert "Traceback" not in "".join(served.lines)
+    finally:
+        served.stop()
