@@ -1,8 +1,8 @@
 """The oldest onnxruntime pyproject.toml accepts runs the packages exactly as the current one.
 
-A fresh virtual environment gets that release from the package index (with numpy, tokenizers
-and click) and edgespec itself without dependencies, then decodes greedily; the token ids must
-equal this environment's. Skipped only when pip cannot reach an index.
+A fresh virtual environment gets that release from the package index (with the rest of the
+runtime's dependencies as pyproject.toml lists them) and edgespec itself without dependencies,
+then decodes greedily; the token ids must equal this environment's. Skipped only when pip cannot reach an index.
 """
 
 from __future__ import annotations
@@ -61,6 +61,16 @@ def declared_floor() -> str:
     return found.group(1)
 
 
+def runtime_requirements() -> list[str]:
+    """pyproject.toml's runtime dependencies, onnxruntime pinned to its floor."""
+    block = re.search(r"^dependencies = \[(.*?)^\]", (REPO / "pyproject.toml").read_text(),
+                      re.S | re.M)
+    assert block, "pyproject.toml lists no dependencies"
+    found = re.findall(r'^\s*"([^"]+)"', block.group(1), re.M)
+    return [f"onnxruntime=={declared_floor()}" if r.startswith("onnxruntime") else r
+            for r in found]
+
+
 def pip(python: Path, *args: str) -> None:
     proc = subprocess.run([str(python), "-m", "pip", *args, *PIP_LIMITS, "--quiet",
                            "--disable-pip-version-check"], capture_output=True, text=True)
@@ -76,7 +86,7 @@ def floor_python(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("floor") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
     python = folder / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
-    pip(python, "install", f"onnxruntime=={declared_floor()}", "numpy", "tokenizers", "click")
+    pip(python, "install", *runtime_requirements())
     pip(python, "install", "--no-deps", "-e", str(REPO))
     return python
 
