@@ -202,17 +202,39 @@ def test_a_failed_export_creates_no_parent_folders(checkpoints, tmp_path, monkey
     assert list(tmp_path.iterdir()) == []
 
 
+# The command line with the target's step held open until a signal comes: a tiny export can
+# finish between the test reading its "[2/4]" line and signalling it on a busy machine.
+HELD_EXPORT = """
+import sys, time
+import edgespec.export.package as package
+from edgespec.cli import entry
+
+export_model = package._export_model
+
+
+def held(*args, **kwargs):
+    print("held", file=sys.stderr, flush=True)
+    time.sleep(600)
+    return export_model(*args, **kwargs)
+
+
+package._export_model = held
+sys.argv[0] = "edgespec"
+entry()
+"""
+
+
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_during_export_exits_with_its_code_and_leaves_nothing(checkpoints, tmp_path,
                                                                        signum, code):
     out = tmp_path / "nested" / "pkg"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "edgespec", "export", "--target", checkpoints["llama_target"],
+        [sys.executable, "-c", HELD_EXPORT, "export", "--target", checkpoints["llama_target"],
          "--draft", checkpoints["llama_draft"], "--out", out],
         stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )
     for line in proc.stderr:
-        if line.startswith("[2/4]"):  # the temporary folder exists now
+        if line == "held\n":  # within the target's step: the temporary folder exists
             break
     assert any(tmp_path.glob(".pkg.*.partial"))
     proc.send_signal(signum)
