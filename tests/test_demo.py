@@ -31,7 +31,7 @@ def demo():
 def test_the_bundled_package_loads_and_its_manifest_validates(demo):
     manifest = Manifest.read(demo_package())
     assert manifest.target.architecture == manifest.draft.architecture == "llama"
-    assert manifest.target.parameters > 10 * manifest.draft.parameters
+    assert manifest.target.parameters > 4 * manifest.draft.parameters  # 16.7M and 3.4M
     assert manifest.target.validation["max_abs_diff_no_cache"] <= (
         manifest.target.validation["tolerance"])  # fp32: PyTorch's logits
     assert manifest.draft.quantization == DEMO_EXPORT["draft_quantize"]
