@@ -202,19 +202,23 @@ def test_a_failed_export_creates_no_parent_folders(checkpoints, tmp_path, monkey
     assert list(tmp_path.iterdir()) == []
 
 
-# The command line with the target's step held open until a signal comes: a tiny export can
-# finish between the test reading its "[2/4]" line and signalling it on a busy machine.
+# The command line with the target's step held open until a signal comes (a tiny export can
+# finish between the test reading its "[2/4]" line and signalling it on a busy machine), and
+# Ctrl-C handled as in a terminal: a background job of a non-interactive shell starts with
+# SIGINT ignored, which Python then keeps (the test would run under such a job in CI scripts).
 HELD_EXPORT = """
-import sys, time
+import signal, sys, time
 import edgespec.export.package as package
 from edgespec.cli import entry
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 export_model = package._export_model
 
 
 def held(*args, **kwargs):
     print("held", file=sys.stderr, flush=True)
-    time.sleep(600)
+    time.sleep(120)
     return export_model(*args, **kwargs)
 
 
