@@ -37,59 +37,40 @@ if TYPE_CHECKING:
 
 # Public config.json values (hidden, intermediate, layers, heads, KV heads, vocabulary, tied
 # embeddings, context, rope theta).
+def _qwen2(hidden, intermediate, layers, heads, kv_heads, vocab=151936, tied=True) -> dict:
+    return dict(model_type="qwen2", hidden_size=hidden, intermediate_size=intermediate,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=32768,
+                rope_theta=1000000.0, rms_norm_eps=1e-6)
+
+
+def _llama3(hidden, intermediate, layers, heads, tied, rope_factor) -> dict:
+    return dict(model_type="llama", hidden_size=hidden, intermediate_size=intermediate,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8,
+                vocab_size=128256, tie_word_embeddings=tied, max_position_embeddings=131072,
+                rope_theta=500000.0, rms_norm_eps=1e-5,
+                rope_scaling={"factor": rope_factor, "high_freq_factor": 4.0,
+                              "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
+                              "rope_type": "llama3"})
+
+
+def _smollm2(hidden, intermediate, layers, heads, kv_heads) -> dict:
+    return dict(model_type="llama", hidden_size=hidden, intermediate_size=intermediate,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
+                rope_theta=100000.0, rms_norm_eps=1e-5)
+
+
 SHAPES = {
-    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536,
-                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         vocab_size=49152, tie_word_embeddings=True,
-                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5),
-    "smollm2-360m": dict(model_type="llama", hidden_size=960, intermediate_size=2560,
-                         num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5,
-                         vocab_size=49152, tie_word_embeddings=True,
-                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5),
-    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         vocab_size=151936, tie_word_embeddings=True,
-                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960,
-                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         vocab_size=151936, tie_word_embeddings=True,
-                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192,
-                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                         vocab_size=128256, tie_word_embeddings=True,
-                         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-                         rope_scaling={"factor": 32.0, "high_freq_factor": 4.0,
-                                       "low_freq_factor": 1.0,
-                                       "original_max_position_embeddings": 8192,
-                                       "rope_type": "llama3"}),
-}
-
-
-SHAPES |= {
-    "qwen2.5-3b": dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008,
-                       num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-                       vocab_size=151936, tie_word_embeddings=True,
-                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944,
-                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       vocab_size=152064, tie_word_embeddings=False,
-                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "llama-3.2-3b": dict(model_type="llama", hidden_size=3072, intermediate_size=8192,
-                         num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
-                         vocab_size=128256, tie_word_embeddings=True,
-                         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-                         rope_scaling={"factor": 32.0, "high_freq_factor": 4.0,
-                                       "low_freq_factor": 1.0,
-                                       "original_max_position_embeddings": 8192,
-                                       "rope_type": "llama3"}),
-    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336,
-                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         vocab_size=128256, tie_word_embeddings=False,
-                         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-                         rope_scaling={"factor": 8.0, "high_freq_factor": 4.0,
-                                       "low_freq_factor": 1.0,
-                                       "original_max_position_embeddings": 8192,
-                                       "rope_type": "llama3"}),
+    "smollm2-135m": _smollm2(576, 1536, layers=30, heads=9, kv_heads=3),
+    "smollm2-360m": _smollm2(960, 2560, layers=32, heads=15, kv_heads=5),
+    "qwen2.5-0.5b": _qwen2(896, 4864, layers=24, heads=14, kv_heads=2),
+    "qwen2.5-1.5b": _qwen2(1536, 8960, layers=28, heads=12, kv_heads=2),
+    "qwen2.5-3b": _qwen2(2048, 11008, layers=36, heads=16, kv_heads=2),
+    "qwen2.5-7b": _qwen2(3584, 18944, layers=28, heads=28, kv_heads=4, vocab=152064, tied=False),
+    "llama-3.2-1b": _llama3(2048, 8192, layers=16, heads=32, tied=True, rope_factor=32.0),
+    "llama-3.2-3b": _llama3(3072, 8192, layers=28, heads=24, tied=True, rope_factor=32.0),
+    "llama-3.1-8b": _llama3(4096, 14336, layers=32, heads=32, tied=False, rope_factor=8.0),
 }
 SHARD_BYTES = 2 * 10**9  # a checkpoint is written in shards of about this size
 _ROWS = 4096  # rows of a tensor drawn at a time (bounds the float32 temporary)

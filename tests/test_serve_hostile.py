@@ -225,34 +225,28 @@ def test_sigterm_answers_requests_in_flight_with_503_and_ends_streams():
 def test_sigterm_exits_in_time_while_a_template_renders(chat_package, tmp_path):
     pkg = with_template(chat_package, tmp_path / "slow", "{% for i in range(10000) %}"
                         "{% for j in range(10000) %}{% endfor %}{% endfor %}")
-    served = Served(str(pkg))
-    try:
-        body = {"model": "slow", "messages": [{"role": "user", "content": "hi"}]}
-        with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(httpx.post, f"{served.url}/v1/chat/completions", json=body,
-                                 timeout=30)
-            wait_until(served, lambda h: h["waiting"] == 1, "rendering")
-            code, took = stop_and_time(served)
-            answer = answer.result()
-        assert code == 143 and took < 5, (code, took)
-        assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down"
-        assert "Traceback" not in "".join(served.lines)
-    finally:
-        served.stop()
+    body = {"model": "slow", "messages": [{"role": "user", "content": "hi"}]}
+    sigterm_while_busy(Served(str(pkg)), "/v1/chat/completions", body, "rendering")
 
 
 def test_sigterm_exits_in_time_while_a_tokenizer_is_busy(tmp_path):
     # onig backtracks on every run of a's: ~0.04 s each, half a minute for this prompt
     pkg = with_normalizer(demo_package(), tmp_path / "demo",
                           {"type": "Replace", "pattern": {"Regex": "(a+)+b"}, "content": "b"})
-    served = Served(str(pkg))
+    body = {"model": "demo", "prompt": ("a" * 20 + " ") * 700, "max_tokens": 2}
+    sigterm_while_busy(Served(str(pkg)), "/v1/completions", body, "tokenizing",
+                       settle=0.5)  # well into the tokenizer
+
+
+def sigterm_while_busy(served: Served, path: str, body: dict, doing: str,
+                       settle: float = 0.0) -> None:
+    """SIGTERM once the request is queued (and ``settle`` seconds later): exit 143 within 5 s,
+    the request answered 503 shutting_down, no traceback."""
     try:
-        body = {"model": "demo", "prompt": ("a" * 20 + " ") * 700, "max_tokens": 2}
         with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(httpx.post, f"{served.url}/v1/completions", json=body,
-                                 timeout=60)
-            wait_until(served, lambda h: h["waiting"] == 1, "tokenizing")
-            time.sleep(0.5)  # well into the tokenizer
+            answer = pool.submit(httpx.post, f"{served.url}{path}", json=body, timeout=60)
+            wait_until(served, lambda h: h["waiting"] == 1, doing)
+            time.sleep(settle)
             code, took = stop_and_time(served)
             answer = answer.result()
         assert code == 143 and took < 5, (code, took)

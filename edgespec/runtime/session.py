@@ -90,7 +90,7 @@ class ModelSession:
         throw-away tokens after the real ones (copies of the last): causal attention keeps them
         out of the real rows, and the cache is cropped back so they leave no trace. Graphs
         computing with int8 activations need it: onnxruntime's one-row kernel rounds
-        differently from the kernel every longer run uses (export/compute.py).
+        differently from the kernel every longer run uses (export/runs.py).
         """
         n = len(tokens)
         pad = min(self.min_run_tokens - n, self.max_positions - cache.length - n)

@@ -62,9 +62,7 @@ def teacher_targets(target: LlamaForCausalLM, stream: torch.Tensor, context_leng
     report = progress or (lambda line: None)
     windows = stream.unfold(0, context_length + 1, context_length)  # [N, T+1], a view
     n, t = windows.shape[0], context_length
-    ids_dtype = torch.int16 if target.config.vocab_size <= 2**15 else torch.int32
-    top_ids = torch.empty((n, t, top_k), dtype=ids_dtype)
-    top_logp = torch.empty((n, t, top_k), dtype=torch.float16)
+    top_ids, top_logp = _top_k_storage(n, t, top_k, target.config.vocab_size)
     report(f"draft: the target's top {top_k} at {n * t:,} positions ({n} windows of {t})")
     start = last = time.perf_counter()
     target.eval()
@@ -75,8 +73,8 @@ def teacher_targets(target: LlamaForCausalLM, stream: torch.Tensor, context_leng
                 logits = target(batch).logits
             logp = F.log_softmax(logits.float(), dim=-1)  # [B, T, V]
             values, ids = logp.topk(top_k, dim=-1)
-            top_ids[first : first + len(batch)] = ids.to(ids_dtype)
-            top_logp[first : first + len(batch)] = values.half()
+            rows = slice(first, first + len(batch))
+            top_ids[rows], top_logp[rows] = ids, values  # cast to the storage's types
             if (now := time.perf_counter()) - last > 60:
                 done = first + len(batch)
                 report(f"draft: target run over {done}/{n} windows, {(now - start) / 60:.1f} min")
@@ -84,6 +82,15 @@ def teacher_targets(target: LlamaForCausalLM, stream: torch.Tensor, context_leng
     seconds = time.perf_counter() - start
     report(f"draft: teacher targets in {seconds / 60:.1f} min")
     return TeacherTargets(windows.clone(), top_ids, top_logp, seconds)
+
+
+def _top_k_storage(windows: int, length: int, top_k: int, vocab_size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``[windows, length, top_k]`` ids (int16 where the vocabulary fits) and fp16
+    log-probabilities: a few bytes a kept token, the whole corpus in memory."""
+    ids_dtype = torch.int16 if vocab_size <= 2**15 else torch.int32
+    return (torch.empty((windows, length, top_k), dtype=ids_dtype),
+            torch.empty((windows, length, top_k), dtype=torch.float16))
 
 
 def sparse_kl(q_logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor
@@ -123,9 +130,7 @@ def target_continuations(target: LlamaForCausalLM, stream: torch.Tensor, tokens:
     length = prompt_length + new_tokens - 1  # positions predicted: the last token's row is not
     count = max(_BATCH, tokens // length // _GEN_BATCH * _GEN_BATCH)
     windows = torch.empty((count, length + 1), dtype=torch.long)
-    ids_dtype = torch.int16 if target.config.vocab_size <= 2**15 else torch.int32
-    top_ids = torch.empty((count, length, top_k), dtype=ids_dtype)
-    top_logp = torch.empty((count, length, top_k), dtype=torch.float16)
+    top_ids, top_logp = _top_k_storage(count, length, top_k, target.config.vocab_size)
     report(f"draft: {count} continuations of {new_tokens} tokens by the target")
     start = last = time.perf_counter()
     target.eval()
@@ -152,7 +157,7 @@ def target_continuations(target: LlamaForCausalLM, stream: torch.Tensor, tokens:
         logp = torch.cat(logps, dim=1)  # [B, P + new, V]: the last row predicts past the end
         windows[rows] = text
         values, ids = logp[:, :length].topk(top_k, dim=-1)
-        top_ids[rows], top_logp[rows] = ids.to(ids_dtype), values.half()
+        top_ids[rows], top_logp[rows] = ids, values  # cast to the storage's types
         if (now := time.perf_counter()) - last > 60:
             report(f"draft: {first + _GEN_BATCH}/{count} continuations, {(now - start) / 60:.1f} min")
             last = now
