@@ -100,8 +100,8 @@ class GenerationConfig:
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # Defaults from `edgespec bench` on the demo pair (benchmarks/RESULTS.md): adaptive with k up
-    # to 8 is within 2% of the best fixed k (8) at T = 0 / 0.7 / 1, and unlike a fixed k it turns
-    # drafting down or off where a draft step is dear (real pairs on a CPU: half a target step)
+    # to 8 is close to the best fixed k, and unlike a fixed k it turns drafting down or off
+    # where a draft step is dear (real pairs on a CPU)
     gamma: int = 8
     schedule: str = "adaptive"
     use_draft: bool = True

@@ -2,8 +2,7 @@
 
 glibc's malloc keeps freed blocks below its mmap threshold in its heap, and raises the threshold
 (up to 32 MB) whenever a larger mapped block is freed; a loop that reads, upcasts and drops a
-layer's tensors of a few MB each then grows the heap though it holds nothing (measured: +0.3 GB
-over 32 layers of a 118M-parameter model's reference). ``trim`` after each layer gives the free
+layer's tensors of a few MB each then grows the heap though it holds nothing. ``trim`` after each layer gives the free
 pages back (malloc_trim; a no-op without glibc).
 """
 

@@ -15,9 +15,8 @@ target-only output.
 
 A draft's MatMulNBits compute with int8 activations (``accuracy_level`` 4, the level
 onnxruntime-genai's builder is given for CPU int4 models): onnxruntime then uses its integer
-dot-product kernels (VNNI, ARM SDOT) instead of unpacking every weight to float32 per run. On
-the demo draft (one thread, AMD EPYC with VNNI) a step costs 0.10 ms in int8 and 0.11 ms in
-int4 this way, against 2.09 / 0.18 ms with float compute and 0.14 ms in fp32. A target's
+dot-product kernels (VNNI, ARM SDOT) instead of unpacking every weight to float32 per run
+(benchmarks/RESULTS.md has the step costs). A target's
 compute is chosen at export with the shape of its runs (runs.py): int8 activations round a
 one-token run differently from a longer one (by up to 5e-2 of a logit), so an int8 target
 always runs at least two tokens, and rows of runs of two tokens or more are bit-identical.
@@ -140,7 +139,7 @@ def quantize_blocks(weight, bits: int, rows: int = 256) -> tuple[np.ndarray, np.
     bytes stay 0).
     ``rows`` outputs at a time bound the float32 temporaries. One thread: on small chunks of
     element-wise work a second OpenMP thread mostly waits, and on a busy machine its spinning
-    made a 7B layer take 22 s instead of 2.
+    slows a large layer several times over.
     """
     import torch
 

@@ -40,7 +40,7 @@ from edgespec.runtime.stats import GenerationStats
 
 
 class Drafter:
-    """Proposes draft tokens; subclasses answer ``q`` and ``rollback``."""
+    """Proposes draft tokens; subclasses answer ``next_row`` and ``rollback``."""
 
     name = "none"
 

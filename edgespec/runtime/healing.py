@@ -53,10 +53,9 @@ class PrefixIndex:
     """Every token's text, sorted: the tokens whose text starts with a string are one bisect away.
 
     ``texts[i]`` is token i's text (None: never allowed, e.g. a special token). Built once per
-    pipeline: the demo's 4,096 tokens in 6-10 ms, a byte-level BPE of 151,643 tokens (Qwen2's
-    size) in 0.44 s, mostly the tokenizer's decoding (the sort alone: 0.08 s; 2-core CPU). A
-    query is two bisects, O(log V) string comparisons, and a sort of the m ids it returns
-    (36 us for "):" on the demo).
+    pipeline, on first use (most of the time goes to the tokenizer's decoding of every token,
+    not the sort). A query is two bisects, O(log V) string comparisons, and a sort of the m ids
+    it returns.
     """
 
     def __init__(self, texts: Sequence[str | None]):

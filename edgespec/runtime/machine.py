@@ -6,7 +6,7 @@ carries these, and the calibration cache (calibration.py) is keyed by them.
 
 Standard library only (benchmarks/common.py loads this file in the peers' environments, which
 have no edgespec). CPU facts come from the kernel (/proc/cpuinfo, sysfs) rather than
-py-cpuinfo, which took 1.4 s here and reported this VM's L3 as 1 MiB (sysfs: 32 MiB).
+py-cpuinfo, which is slow to import and can misreport a VM's caches (sysfs has them right).
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ _SAMPLING_FIELDS = {f.name for f in fields(SamplingConfig)}
 # and past 16 drafted tokens a round's expected yield barely grows (0.9^17 = 0.17).
 ADAPTIVE_MAX_K = 16
 # What the adaptive schedule takes an n-gram lookup to cost per proposed token: a few dict
-# lookups and one index update (benchmarks/ngram_cost.py: ~3 us at a context of 4096 tokens).
+# lookups and one index update, microseconds whatever the context (benchmarks/ngram_cost.py
+# measures it).
 NGRAM_STEP_MS = 0.005
 
 

@@ -20,9 +20,6 @@ PROVIDER_NAMES = {
     "tensorrt": "TensorrtExecutionProvider",
 }
 _FALLBACKS = {"tensorrt": ["tensorrt", "cuda", "cpu"], "cuda": ["cuda", "cpu"], "cpu": ["cpu"]}
-# Distributions that all install the one `onnxruntime` module: with two of them installed, the
-# last one written overwrote the other's files (pip install "edgespec[gpu]" brings the CPU
-# build, a dependency, beside the GPU one, and the CPU build usually wins).
 
 
 def installed_builds() -> tuple[str, ...]:
@@ -76,20 +73,15 @@ def default_session_configs(
 ) -> tuple[SessionConfig, SessionConfig]:
     """(target, draft) settings that do not fight over a small CPU, by the draft's size.
 
-    The target always gets every core and spinning workers, which answer its next run sooner
-    (on 2 cores: the demo target 363 -> 435 tokens/s; a Qwen2.5-1.5B-shaped step 190 -> 147 ms,
-    a SmolLM2-360M-shaped one 43 -> 41 ms).
+    The target always gets every core and spinning workers, which answer its next run sooner.
 
-    A tiny draft (the demo's 1.6M parameters) runs on one thread, as fast as on several, with
-    no worker threads to spin: with two spinning threads on both sessions the demo pair ran at
-    0.6-0.8x of target-only, with the draft on one thread speculative k=8 went 948 -> 1059
-    tokens/s.
+    A tiny draft (the demo's) runs on one thread, as fast as on several, with no worker threads
+    to spin: spinning threads on both sessions steal each other's cores on a small machine.
 
     A real draft (``draft_parameters`` >= LARGE_DRAFT_PARAMETERS: SmolLM2-135M, Qwen2.5-0.5B)
     is memory-bound like its target and one thread leaves most of its speed unused: it gets
-    every core, not spinning (random weights with the public shapes, 2 cores, next to the
-    spinning target: SmolLM2-135M 29.0 -> 24.9 ms a step, Qwen2.5-0.5B 93.3 -> 75.5 ms;
-    ``python benchmarks/real_shapes.py run``, results in benchmarks/RESULTS.md).
+    every core, not spinning (``python benchmarks/real_shapes.py run``; the measurements are
+    in benchmarks/RESULTS.md).
     """
     cores = usable_cores()  # not os.cpu_count(): a container's share, not the host's CPUs
     target = SessionConfig(provider, threads=cores, spin=True)

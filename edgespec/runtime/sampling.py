@@ -1,8 +1,9 @@
 """Logit processing and the speculative acceptance rule, in pure NumPy.
 
 Letters as in the speculative sampling papers (Leviathan et al. 2023, Chen et al. 2023):
-**p is the target's distribution, q is the draft's.** (transformers and gpt-fast use the
-letters the other way round.)
+**p is the target's distribution, q is the draft's**, as in transformers'
+``_speculative_sampling`` ("q_i and p_i denote the assistant and model probabilities");
+gpt-fast swaps them (its p is the draft's, its q the target's).
 
 Two implementations of the same maths:
 

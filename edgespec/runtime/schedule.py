@@ -151,8 +151,8 @@ def calibrate(
     """Median time of a draft step and of target runs on 1..kmax+1 tokens after ``context``.
 
     Bounded: each session is prefilled once, and each run length is timed ``repeats[0]`` times,
-    then again while its share of ``budget_s`` lasts, at most ``repeats[1]`` times. On a 1.5B
-    target (a 9-token run: ~0.2 s on 2 cores) that is a few seconds, not minutes.
+    then again while its share of ``budget_s`` lasts, at most ``repeats[1]`` times: about
+    ``budget_s`` plus the ``repeats[0]`` runs of each length, however large the target.
     """
     ids = np.random.default_rng(0).integers(0, target.vocab_size, size=context + kmax + 1)
     share = budget_s / (kmax + 2)

@@ -142,9 +142,9 @@ def build_demo_package(out: Path, config: RecipeConfig, progress: Progress | Non
     return training_report
 
 
-# How the demo pair is exported: the draft in int8 computing with int8 activations. Measured on
-# the demo (benchmarks/RESULTS.md, "Draft precision"): the same acceptance as fp32 (alpha 0.86)
-# at 0.6x its step, where an int4 draft lost 0.02 of alpha for the same step.
+# How the demo pair is exported: the draft in int8 computing with int8 activations, which kept
+# fp32's acceptance at a cheaper step where int4 lost some (benchmarks/RESULTS.md, "Draft
+# precision").
 DEMO_EXPORT = {"draft_quantize": "int8"}
 
 

@@ -38,22 +38,17 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class RecipeConfig:
-    """Everything the demo recipe depends on. The defaults take about 2.6 hours on 2 cores.
+    """Everything the demo recipe depends on; its budgets (``target_minutes``,
+    ``draft_minutes``) make the defaults a few hours on 2 cores.
 
-    Target: 6 layers x 512, 2 KV heads, tied embeddings, 16.7M parameters, ~1,900 tokens/s of
-    training on an idle 2-core machine (bf16 autocast). At this budget the target is far from
-    converged (about 3 epochs of the corpus): six layers see a fifth more tokens a minute than
-    the eight of the earlier demo (21.5M parameters, 33 minutes, held-out perplexity 65), and
-    undertrained models gain more from tokens than from parameters (Hoffmann et al., 2022).
-    Its size is also bounded by the repository budget: fp16 checkpoint plus fp16-stored ONNX
-    graph of both models under 100 MB.
-    Draft: 3 layers x 256, 3.4M parameters. The earlier 2 x 192 (1.6M) imitated the earlier,
-    weaker target (greedy agreement 78%) but not this one (51% after 14 minutes, greedy
-    acceptance 0.66 in decoding); distilled from the target's top-64 log-probabilities on the
-    corpus and on 600k tokens of the target's own continuations (distill.py) for 40 minutes,
-    3 x 256 agrees 71% and reaches alpha 0.90 greedy, 0.75-0.80 sampled, the demo 2.5x greedy
-    (benchmarks/RESULTS.md, "The demo's new draft"). The budgets are wall-clock: on a busy
-    machine the models see fewer tokens, so quality drops, not time.
+    Target: 6 layers x 512, 2 KV heads, tied embeddings, 16.7M parameters. At this budget it is
+    far from converged, and undertrained models gain more from tokens than from parameters
+    (Hoffmann et al., 2022), so it stays small; its size is also bounded by the repository
+    budget: fp16 checkpoint plus fp16-stored ONNX graph of both models under 100 MB.
+    Draft: 3 layers x 256, 3.4M parameters, distilled from the target's top-64
+    log-probabilities on the corpus and on the target's own continuations (distill.py). What
+    the choices gave is in benchmarks/RESULTS.md ("The demo's new draft"). The budgets are
+    wall-clock: on a busy machine the models see fewer tokens, so quality drops, not time.
     """
 
     seed: int = 0

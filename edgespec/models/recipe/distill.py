@@ -56,7 +56,7 @@ def teacher_targets(target: LlamaForCausalLM, stream: torch.Tensor, context_leng
                     top_k: int, progress: Progress | None = None) -> TeacherTargets:
     """Run the target once over ``stream`` in consecutive windows; keep each position's top K.
 
-    bf16 autocast, as in training (about 2.5x the float32 speed on CPU); the log-softmax in
+    bf16 autocast, as in training (faster than float32 on CPU); the log-softmax in
     float32.
     """
     report = progress or (lambda line: None)
