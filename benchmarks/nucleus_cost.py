@@ -10,12 +10,17 @@ and checks they keep the same tokens. Medians over rows; run it on an idle machi
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from edgespec.config import SamplingConfig
-from edgespec.runtime.sampling import process_logits, process_row
+from edgespec.runtime.sampling import process_row
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from reference import process_logits  # noqa: E402  the tests' dense oracle
 
 CONFIG = SamplingConfig(temperature=0.7, top_p=0.9)
 ROWS = {"near-flat": 0.02, "flat": 0.3, "typical": 3.0}  # logits: normal(0, 1) x this

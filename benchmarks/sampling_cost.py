@@ -23,12 +23,17 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from edgespec.config import SamplingConfig
-from edgespec.runtime.sampling import PositionUniforms, process_logits, sample, verify
+from edgespec.runtime.acceptance import PositionUniforms
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from reference import process_logits, sample, verify  # noqa: E402  the tests' dense oracle
 from edgespec.runtime.drafters import ModelDrafter
 from edgespec.runtime.speculative import TargetRunner, speculative_round
 from edgespec.runtime.stats import GenerationStats

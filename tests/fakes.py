@@ -12,7 +12,7 @@ import numpy as np
 
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.runtime.drafters import Drafter, make_drafter, resolve_drafter
-from edgespec.runtime.sampling import process_logits
+from reference import process_logits
 from edgespec.runtime.speculative import decode, request_positions
 from edgespec.runtime.stats import GenerationStats
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgespec.config import SamplingConfig
-from edgespec.runtime.sampling import process_logits
+from reference import process_logits
 
 PROMPTS = [
     "def add(a, b):",

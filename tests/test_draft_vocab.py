@@ -14,7 +14,7 @@ from edgespec.errors import ExportError, ManifestError
 from edgespec.export import export_pair
 from edgespec.export.vocab import frequent_tokens
 from edgespec.manifest import Manifest
-from edgespec.runtime import sampling as sampler
+from edgespec.runtime import acceptance as sampler
 from edgespec.runtime.sampling import Dist
 
 CALIBRATION = "def add(a, b):\n    return a + b\n" * 20 + "The quick brown fox.\n" * 5

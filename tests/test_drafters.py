@@ -23,7 +23,7 @@ from stats_check import ALPHA, fit_pvalue
 
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError
-from edgespec.runtime import drafters, sampling
+from edgespec.runtime import acceptance, drafters, sampling
 from edgespec.runtime.drafters import NgramDrafter, NgramIndex, resolve_drafter
 from edgespec.runtime.schedule import FixedSchedule, HeuristicSchedule
 from edgespec.runtime.speculative import decode
@@ -203,5 +203,5 @@ def test_the_ngram_loop_emits_the_targets_distribution(setting):
 
 @pytest.mark.parametrize("wrong", [keep_every_draft_token, replace_rejected_from_p])
 def test_the_ngram_loop_check_rejects_a_wrong_draw(monkeypatch, wrong):
-    monkeypatch.setattr(sampling, "accept_or_replace", wrong)
+    monkeypatch.setattr(acceptance, "accept_or_replace", wrong)
     assert first_tokens_pvalue(SAMPLED["T=1"], k=2)[0] < 1e-6

@@ -1,7 +1,7 @@
 """The loop's fast sampler against the dense reference, and the per-position draw.
 
 p is the target's distribution, q the draft's (as in edgespec/runtime/sampling.py). The
-reference (``process_logits``, ``verify``) is the oracle: the fast path must give the same
+reference (``process_logits``, ``verify``, tests/reference.py) is the oracle: the fast path must give the same
 distributions, the same greedy tokens, and tokens distributed exactly as p.
 """
 
@@ -29,18 +29,18 @@ from fakes import (
 from stats_check import ALPHA, fit_pvalue
 
 from edgespec.config import GenerationConfig, SamplingConfig
-from edgespec.runtime import sampling
-from edgespec.runtime.sampling import (
-    Dist,
+from reference import process_logits
+
+from edgespec.runtime import acceptance, sampling
+from edgespec.runtime.acceptance import (
     PositionUniforms,
     accept_or_replace,
     position_token,
-    process_logits,
-    process_row,
     residual,
     verify_greedy,
     verify_sampled,
 )
+from edgespec.runtime.sampling import Dist, process_row
 from edgespec.runtime.schedule import FixedSchedule, HeuristicSchedule
 
 # The fast path works in float32: probabilities agree with the float64 reference to this, and a
@@ -459,5 +459,5 @@ def test_the_loop_emits_the_targets_distribution_with_drafting_switched_on_and_o
 
 @pytest.mark.parametrize("wrong", [keep_every_draft_token, replace_rejected_from_p])
 def test_the_loop_check_rejects_a_wrong_draw(monkeypatch, wrong):
-    monkeypatch.setattr(sampling, "accept_or_replace", wrong)
+    monkeypatch.setattr(acceptance, "accept_or_replace", wrong)
     assert first_tokens_pvalue(N_LOOP, SAMPLED["T=1"], k=2) < 1e-6

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from helpers import PROMPTS, texts_by_schedule
+from reference import process_logits
 from stats_check import ALPHA, fit_pvalue
 
 import edgespec
@@ -21,7 +22,7 @@ from edgespec.models import demo_package
 from edgespec.runtime import speculative, text
 from edgespec.runtime.drafters import make_drafter
 from edgespec.runtime.healing import PrefixIndex, token_texts
-from edgespec.runtime.sampling import process_logits, process_row
+from edgespec.runtime.sampling import process_row
 from edgespec.runtime.schedule import FixedSchedule
 from edgespec.runtime.stats import GenerationStats
 

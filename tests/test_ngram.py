@@ -21,7 +21,7 @@ from edgespec.cli import main
 from edgespec.config import SamplingConfig
 from edgespec.errors import ConfigError
 from edgespec.manifest import MANIFEST_NAME
-from edgespec.runtime import sampling as sampler
+from edgespec.runtime import acceptance as sampler
 
 # Copy-heavy: the output can repeat what the prompt holds, so lookups match long spans.
 COPY_PROMPTS = [

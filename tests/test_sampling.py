@@ -1,6 +1,7 @@
 """The sampler alone, in NumPy: logit processing and the acceptance rule.
 
-p is the target's distribution, q the draft's (as in edgespec/runtime/sampling.py).
+p is the target's distribution, q the draft's (as in edgespec/runtime/sampling.py). The
+functions checked here are the dense reference (tests/reference.py), the fast path's oracle.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+from reference import process_logits, sample, verify
 from stats_check import ALPHA, fit_pvalue
 
 from edgespec.config import SamplingConfig
-from edgespec.runtime.sampling import process_logits, sample, verify
 
 # ---------------------------------------------------------------------------------------------
 # process_logits

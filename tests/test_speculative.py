@@ -17,7 +17,7 @@ from stats_check import ALPHA, fit_pvalue
 
 import edgespec
 from edgespec.config import SamplingConfig
-from edgespec.runtime import sampling as sampler
+from edgespec.runtime import acceptance as sampler
 from edgespec.runtime import speculative
 
 @pytest.fixture(scope="module")

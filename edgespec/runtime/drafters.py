@@ -10,7 +10,7 @@ rejected.
 Exactness needs one property of every drafter: **its proposal for position n is a function of
 the tokens before n only** (not of where the round began or what was drafted and rolled back).
 Then every position's token is ``position_token(p_n, q_n, u[n])`` however the positions are cut
-into rounds (sampling.py), and a seed gives the same text whatever fixed k.
+into rounds (acceptance.py), and a seed gives the same text whatever fixed k.
 
 - ``ModelDrafter``: the package's draft model (one run per position, its cache cropped back).
 - ``NgramDrafter``: prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_
@@ -166,7 +166,7 @@ class NgramDrafter(Drafter):
     latest earlier occurrence of the text's last n tokens (n = ngram_max .. ngram_min).
 
     Acceptance of the point mass on x is then p(x), and the residual is p without x: the same
-    verification as for a draft model (sampling.py), with q(x) = 1.
+    verification as for a draft model (acceptance.py), with q(x) = 1.
     """
 
     name = "ngram"

@@ -1,32 +1,19 @@
-"""Logit processing and the speculative acceptance rule, in pure NumPy.
+"""Logit processing, in pure NumPy: a row of logits becomes a distribution (``Dist``).
 
 Letters as in the speculative sampling papers (Leviathan et al. 2023, Chen et al. 2023):
 **p is the target's distribution, q is the draft's**, as in transformers'
 ``_speculative_sampling`` ("q_i and p_i denote the assistant and model probabilities");
 gpt-fast swaps them (its p is the draft's, its q the target's).
 
-Two implementations of the same maths:
+The loop processes one float32 row at a time (``process_row`` gives a ``Dist``), and only the
+work a round needs: an argmax for greedy; for sampling one exp pass for the normaliser, top-k
+by a partition of a few candidates, top-p by sorting only the likeliest tokens (all of them
+only when the nucleus is that wide). What a round does with the rows (accept, reject, the
+residual) is the acceptance rule, in acceptance.py. The dense reference this fast path must
+agree with (float64 rows ``[n, V]``, full sorts, a one-hot row for greedy) is the tests'
+oracle, tests/reference.py.
 
-- The dense reference, ``process_logits``, ``sample`` and ``verify``: float64 rows ``[n, V]``,
-  full sorts, a one-hot row for greedy. Plain enough to check by eye; the tests' oracle.
-- The fast path the decoding loop uses: one float32 row at a time (``process_row`` gives a
-  ``Dist``), and only the work a round needs: an argmax for greedy; for sampling one exp pass
-  for the normaliser, top-k by a partition of a few candidates, top-p by sorting only the
-  likeliest tokens (all of them only when the nucleus is that wide), p(x) and q(x) read for the
-  drafted tokens, the residual built only at a rejection.
-
-Randomness is keyed by position, not drawn as the loop goes: generated token n gets three
-uniforms of its own (``PositionUniforms``), and its token is ``position_token(p_n, q_n, u[n])``:
-a draft token drawn from q_n with u[n, 0], accepted iff u[n, 1] q_n(x) < p_n(x), else replaced by a
-draw from norm(max(0, p_n - q_n)) with u[n, 2]. That is speculative sampling with one draft
-token (Leviathan et al. 2023, Theorem 1: the token follows p_n), and since p_n and q_n depend
-only on the tokens before n, the text is a function of (seed, prompt) whatever the rounds'
-draft lengths (as far as the logits are: a run on k+1 tokens and a single step may round
-differently in the last bits, which flips a token only if a uniform falls within that rounding
-of a decision edge). Greedy decoding needs no randomness: argmaxes only.
-
-The functions are pure: arrays (and uniforms) in, arrays or tokens out. ``PositionUniforms``
-keeps a table it fills as positions are asked for; its values depend on (seed, position) only.
+The functions are pure: arrays in, a ``Dist`` or a token out.
 """
 
 from __future__ import annotations
@@ -48,111 +35,6 @@ _NUCLEUS_BINS = 4096
 _CDF_BLOCK = 2048
 
 
-# ---------------------------------------------------------------------------------------------
-# The dense reference
-
-
-def process_logits(logits: np.ndarray, sampling: SamplingConfig) -> np.ndarray:
-    """Turn logits ``[n, V]`` into probabilities ``[n, V]`` (float64, rows sum to 1).
-
-    Applied identically to draft and target rows so that p and q come from the same processing.
-    Order as in transformers: temperature, then top-k, then top-p (nucleus). Temperature 0
-    gives one-hot rows on the argmax (first index on ties), so greedy decoding runs through the
-    same acceptance rule: it accepts exactly when the draft's argmax equals the target's.
-    The max is subtracted before dividing by the temperature, so a temperature whose inverse
-    overflows (1e-310) gives its limit, uniform over the tied maxima, not NaN.
-    """
-    if sampling.greedy:
-        probs = np.zeros(logits.shape, dtype=np.float64)  # [n, V]
-        probs[np.arange(len(logits)), logits.argmax(axis=-1)] = 1.0
-        return probs
-
-    # One float64 array, then worked on in place: fresh large temporaries cost more than the
-    # arithmetic (each one's pages are faulted in anew).
-    scaled = logits.astype(np.float64)  # [n, V]
-    if sampling.top_k and sampling.top_k < scaled.shape[-1]:
-        # on the logits themselves: the same set as after dividing by T, without the ties that
-        # rounding (x - max) / T can make
-        kth = np.partition(scaled, -sampling.top_k, axis=-1)[:, -sampling.top_k, None]  # [n, 1]
-        scaled[scaled < kth] = -np.inf
-    scaled -= scaled.max(axis=-1, keepdims=True)
-    with np.errstate(over="ignore"):  # -0.5 / 1e-310 = -inf: probability 0, as it should be
-        scaled /= sampling.temperature
-    probs = _softmax_(scaled)
-    if sampling.top_p < 1.0:
-        probs = _nucleus_(probs, sampling.top_p)
-    return probs
-
-
-def _softmax_(x: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis, overwriting x."""
-    x -= x.max(axis=-1, keepdims=True)
-    np.exp(x, out=x)
-    x /= x.sum(axis=-1, keepdims=True)
-    return x
-
-
-def _nucleus_(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Keep the most likely tokens until their mass reaches top_p, renormalise, in place.
-
-    A token is kept if the mass of the tokens strictly likelier than it is below top_p (so the
-    top token always is); tokens tied with the last one kept are kept too.
-    """
-    ranked = np.sort(probs, axis=-1)[:, ::-1]  # [n, V], descending
-    mass_before = np.cumsum(ranked, axis=-1) - ranked
-    kept = (mass_before < top_p).sum(axis=-1)  # [n], >= 1
-    threshold = ranked[np.arange(len(probs)), kept - 1, None]  # [n, 1]
-    probs[probs < threshold] = 0.0
-    probs /= probs.sum(axis=-1, keepdims=True)
-    return probs
-
-
-def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """Draw one token id from a probability row ``[V]`` (inverse CDF, one uniform)."""
-    cdf = np.cumsum(probs)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(probs) - 1))
-
-
-def verify(
-    draft_tokens: np.ndarray,
-    q_draft: np.ndarray,
-    p_target: np.ndarray,
-    rng: np.random.Generator,
-) -> tuple[int, int]:
-    """Speculative sampling's accept/reject step; returns ``(n_accepted, next_token)``.
-
-    draft_tokens: ``[k]`` ids the draft sampled, token i from ``q_draft[i]``.
-    q_draft:      ``[k, V]`` draft probabilities.
-    p_target:     ``[k+1, V]`` target probabilities at the same k positions plus one more.
-
-    Token i is accepted with probability min(1, p(x)/q(x)). At the first rejection the
-    replacement is drawn from the residual norm(max(0, p - q)); if all k are accepted a bonus
-    token is drawn from ``p_target[k]``. The emitted tokens are then distributed exactly as
-    if sampled from p one by one (Leviathan et al. 2023, Theorem 1). (The loop draws position
-    k otherwise, see ``position_token``; the distribution is the same.)
-    """
-    k = len(draft_tokens)
-    if q_draft.shape[0] != k or p_target.shape[0] != k + 1:
-        raise ValueError(f"verify needs q_draft [k, V] and p_target [k+1, V] for k = {k}, got "
-                         f"{q_draft.shape} and {p_target.shape}")
-    for i, x in enumerate(draft_tokens):
-        p, q = p_target[i, x], q_draft[i, x]
-        # q >= p: always accept. q < p: accept with probability p/q. q = 0 cannot have been
-        # drawn, but if it was (a zero from rounding) accepting is right: p/q is infinite.
-        if q <= p or rng.random() * q < p:
-            continue
-        residual = np.maximum(p_target[i] - q_draft[i], 0.0)  # [V]
-        # A residual of zero mass means p == q up to rounding: then sampling from p is exact.
-        if residual.sum() <= 0.0:
-            residual = p_target[i]
-        return i, sample(residual, rng)
-    return k, sample(p_target[k], rng)
-
-
-# ---------------------------------------------------------------------------------------------
-# The fast path: one row at a time, float32, only what a round reads
-
-
 @dataclass(frozen=True)
 class Dist:
     """One processed row: token ``ids[j]`` has probability ``weights[j] / total``.
@@ -160,7 +42,7 @@ class Dist:
     ``ids`` ascending, the row's support (top-k and top-p rows: a few tokens); ``ids`` None:
     the whole vocabulary, token j has ``weights[j] / total``. Weights are unnormalised
     (float32 exps, or float64), never negative. Draws go through the support in token-id
-    order, as the reference's ``sample`` does, so the same uniform picks the same token.
+    order, as the dense reference's ``sample`` does (tests/reference.py), so the same uniform picks the same token.
     """
 
     ids: np.ndarray | None  # [m] int64, ascending; None: every token of the vocabulary
@@ -209,7 +91,8 @@ def point_mass(token: int) -> Dist:
 
 
 def process_row(logits: np.ndarray, sampling: SamplingConfig) -> Dist:
-    """``process_logits`` of one row ``[V]`` for the loop: the same distribution, less work.
+    """One row of logits ``[V]`` as a distribution: the dense reference's ``process_logits``
+    (tests/reference.py) for one row, with less work.
 
     Greedy: a point mass on the argmax (first index on ties). Otherwise float32: the max, then
     the exps of (logit - max) / T (one pass, 1 for the likeliest token), top-k as the tokens at
@@ -341,108 +224,3 @@ def _search(cdf: np.ndarray, target: float) -> int:
     if target < cdf[-1]:
         return int(np.searchsorted(cdf, target, side="right"))
     return int(np.searchsorted(cdf, cdf[-1], side="left"))  # the last positive weight
-
-
-def residual(p: Dist, q: Dist) -> Dist:
-    """norm(max(0, p - q)) on p's support; p itself if that has no mass (p == q to rounding).
-
-    A sparse q under a whole-vocabulary p (an n-gram's point mass at T > 0 without top-k or
-    top-p) is subtracted on its own support: p without x, for a point mass on x.
-    """
-    if p.ids is None and q.ids is not None:
-        r = p.probs_at(None)  # float64 [V], a new array
-        r[q.ids] = np.maximum(r[q.ids] - q.probs_at(q.ids), 0.0)
-    else:
-        r = np.maximum(p.probs_at(p.ids) - q.probs_at(p.ids), 0.0)  # float64, [m] or [V]
-    total = float(r.sum())
-    return Dist(p.ids, r, total) if total > 0.0 else p
-
-
-# ---------------------------------------------------------------------------------------------
-# Position-keyed randomness and the per-position draw
-
-
-class PositionUniforms:
-    """Three uniforms per generated position, ``u[n, 0..2]``, from one seeded generator.
-
-    The table is filled in chunks as positions are asked for; a Generator's stream is the same
-    drawn in chunks or at once, so ``u[n]`` depends only on the seed and n. Positions are given
-    as indices into the committed sequence; ``first`` (the prompt's length) is generated token 0.
-    """
-
-    CHUNK = 256
-
-    def __init__(self, seed: int | None, first: int = 0):
-        self.first = first
-        self._rng = np.random.default_rng(seed)
-        self._table = np.empty((0, 3))  # [filled, 3]
-
-    def rows(self, position: int, count: int) -> np.ndarray:
-        """``u`` of positions position .. position + count - 1: ``[count, 3]``."""
-        n = position - self.first
-        if n < 0:
-            raise IndexError(f"position {position} is in the prompt (generated from {self.first})")
-        if len(self._table) < n + count:  # doubled: a long generation copies it O(log n) times
-            more = max(self.CHUNK, len(self._table), n + count - len(self._table))
-            self._table = np.concatenate([self._table, self._rng.random((more, 3))])
-        return self._table[n : n + count]
-
-
-def accept_or_replace(x: int, p: Dist, q: Dist, u: np.ndarray) -> tuple[bool, int]:
-    """One position's test of the draft token x (drawn from q): ``(accepted, token)``.
-
-    Accepted iff u[1] q(x) < p(x): always when q(x) <= p(x), else with probability p(x)/q(x)
-    (q(x) = 0 cannot have been drawn; if rounding did, accepting is right: p/q is infinite).
-    Otherwise the token is drawn with u[2] from the residual norm(max(0, p - q)).
-    """
-    px, qx = p.prob(x), q.prob(x)
-    if qx <= px or u[1] * qx < px:
-        return True, x
-    return False, residual(p, q).draw(u[2])
-
-
-def position_token(p: Dist, q: Dist, u: np.ndarray) -> int:
-    """Generated token n as a function of (u[n], p_n, q_n): speculative sampling with k = 1.
-
-    x = F_q^-1(u[0]) follows q; it is kept with probability min(1, p(x)/q(x)), else replaced
-    by a draw from norm(max(0, p - q)), so the token follows p exactly (Leviathan et al. 2023,
-    Theorem 1). With u[n] independent of every other position's uniforms, and p_n, q_n functions
-    of the tokens before n, tokens drawn this way one position after another are distributed as
-    sampling from p alone; and since a round of k drafts computes the same (u[n], p_n, q_n) for
-    each of its positions, how the positions are cut into rounds changes nothing.
-    """
-    return accept_or_replace(q.draw(u[0]), p, q, u)[1]
-
-
-def verify_greedy(draft_tokens: list[int], target_logits: np.ndarray) -> tuple[int, int]:
-    """Greedy verification: ``(n_accepted, next_token)`` from target logits ``[k+1, V]``.
-
-    Accepts while the target's argmax equals the draft token, one row at a time; the first
-    mismatch gives the target's argmax, a full match the bonus argmax of row k.
-    """
-    for i, x in enumerate(draft_tokens):
-        best = int(np.argmax(target_logits[i]))
-        if best != x:
-            return i, best
-    return len(draft_tokens), int(np.argmax(target_logits[len(draft_tokens)]))
-
-
-def verify_sampled(
-    draft_tokens: list[int],
-    q_rows: list[Dist],
-    target_logits: np.ndarray,
-    sampling: SamplingConfig,
-    u: np.ndarray,
-) -> tuple[int, int | None]:
-    """Each drafted position's test, the target rows processed lazily: ``(n_accepted, token)``.
-
-    target_logits: ``[k+1, V]``; u: ``[k, 3]`` (or more rows), the drafted positions' uniforms.
-    Returns ``(i, replacement)`` at the first rejection, having processed target rows 0..i
-    only; ``(k, None)`` when all k are accepted: position k is then drawn like any other, with
-    ``position_token`` and a draft row at position k (there is no bonus token drawn from p).
-    """
-    for i, (x, q) in enumerate(zip(draft_tokens, q_rows)):
-        accepted, token = accept_or_replace(x, process_row(target_logits[i], sampling), q, u[i])
-        if not accepted:
-            return i, token
-    return len(draft_tokens), None

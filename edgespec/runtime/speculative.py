@@ -18,10 +18,10 @@ import numpy as np
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.runtime.drafters import Drafter
 from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
-from edgespec.runtime.sampling import (
+from edgespec.runtime.sampling import process_row
+from edgespec.runtime.acceptance import (
     PositionUniforms,
     position_token,
-    process_row,
     verify_greedy,
     verify_sampled,
 )
@@ -88,7 +88,7 @@ def speculative_round(
 
     Sampling uses, for the token at position n = len(committed) + i, the uniforms u[n] and
     nothing else random: each token of a round drafting k >= 1 is ``position_token(p_n, q_n,
-    u[n])`` (sampling.py) however the positions are cut into such rounds, so a seed gives the
+    u[n])`` (acceptance.py) however the positions are cut into such rounds, so a seed gives the
     same text whatever fixed k >= 1; a k = 0 round draws from p_n alone.
     q_n is the drafter's proposal (runtime/drafters.py): a draft model's row, an n-gram
     lookup's point mass, or none (then the token is drawn from p_n with u[n, 0]). k = 0, or a
