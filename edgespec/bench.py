@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from edgespec.config import DRAFTERS, SCHEDULES, GenerationConfig, SamplingConfig
+from edgespec.config import DRAFTERS, NO_DRAFTER, SCHEDULES, GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError, EdgespecError
 from edgespec.runtime.drafters import resolve_drafter
 from edgespec.runtime.machine import describe, machine_info
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.schedule import expected_tokens
+from edgespec.runtime.schedule import expected_tokens, round_ms
 from edgespec.runtime.stats import GenerationStats
 
 
@@ -41,7 +41,7 @@ class BenchConfig:
         unknown = set(self.schedules) - set(SCHEDULES)
         if unknown or not self.schedules:
             raise ConfigError(f"schedules must be among {', '.join(SCHEDULES)}, got {self.schedules}")
-        drafters = set(DRAFTERS) - {"none"}  # none is the baseline every row is measured against
+        drafters = set(DRAFTERS) - {NO_DRAFTER}  # none is the baseline every row is measured against
         if set(self.drafters) - drafters or not self.drafters:
             raise ConfigError(f"drafters must be among {', '.join(sorted(drafters))}, "
                               f"got {self.drafters}")
@@ -69,12 +69,11 @@ def expected_speedup(alpha: float, k: int, draft_ms: float, verify_ms: float,
                      step_ms: float, sampled: bool = False) -> float:
     """Leviathan et al.'s expected speedup with measured costs.
 
-    expected_tokens(alpha, k) tokens per round, at the cost of k draft steps and one target
-    run on k+1 tokens, against one target step per token. A sampled round that accepts all k
-    (probability alpha^k) runs the draft once more (runtime/speculative.py).
+    expected_tokens(alpha, k) tokens per round, at the cost of a round (schedule.round_ms: k
+    draft steps, one target run on k+1 tokens, the sampled round's extra draft step), against
+    one target step per token.
     """
-    draft_runs = k + (alpha**k if sampled else 0.0)
-    return expected_tokens(alpha, k) * step_ms / (draft_runs * draft_ms + verify_ms)
+    return expected_tokens(alpha, k) * step_ms / round_ms(k, draft_ms, verify_ms, alpha, sampled)
 
 
 @dataclass
@@ -147,7 +146,7 @@ def run_bench(
             for i, prompt in enumerate(prompts):
                 seed = config.seed + 1000 * repeat + i
                 # EOS ignored: every run makes max_new_tokens, whatever it samples
-                base = GenerationConfig(config.max_new_tokens, sampling, use_draft=False,
+                base = GenerationConfig(config.max_new_tokens, sampling, drafter=NO_DRAFTER,
                                         seed=seed, ignore_eos=True)
                 baseline = pipe.generate(prompt, base).stats
                 for drafter, schedule, gamma in config.variants:

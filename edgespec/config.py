@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass, field
 
 from edgespec.errors import ConfigError
@@ -12,7 +13,8 @@ SCHEDULES = ("fixed", "heuristic", "adaptive")  # how the draft length k is chos
 # What proposes the draft tokens (runtime/drafters.py): the package's draft model, a lookup of
 # the last tokens earlier in the text (n-gram / prompt lookup), nothing (target only); "auto" is
 # the draft model if the package has one, else the n-gram lookup.
-DRAFTERS = ("auto", "model", "ngram", "none")
+NO_DRAFTER = "none"  # the one way to say "no drafting": target-only decoding
+DRAFTERS = ("auto", "model", "ngram", NO_DRAFTER)
 # Longest n-gram the lookup matches. Peers match 1..2 (transformers' prompt lookup), 1..4
 # (llama.cpp's lookup decoding) or up to a chosen prompt_lookup_max (vLLM); past 8 a match is
 # rarer than its shorter suffix and proposes the same token.
@@ -24,11 +26,12 @@ EXPORT_GRAPHS = ("auto", "optimum", "fused")
 EXPORT_DTYPES = ("fp32", "fp16")
 EXPORT_QUANTIZATIONS = ("int8", "int4")
 EXPORT_VALIDATIONS = ("strict", "report", "skip")
-# The most tokens a round may draft. Expected tokens per round, (1 - alpha^(k+1)) / (1 - alpha),
+# The largest draft_length a request may ask for. Expected tokens per round, (1 - alpha^(k+1)) / (1 - alpha),
 # approach 1 / (1 - alpha): at alpha = 0.95, k = 64 already gets 96% of the way, so a larger k
 # only adds draft steps wasted at each rejection. It also bounds what k costs up front: the
 # adaptive schedule times target runs on 1..k+1 tokens, and verification holds [k+1, V] rows.
-MAX_GAMMA = 64
+MAX_DRAFT_LENGTH = 64
+MAX_GAMMA = MAX_DRAFT_LENGTH  # its former name, kept for callers that import it
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class SamplingConfig:
             raise ConfigError(
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
             )
-        if not (_is_int(self.top_k) and self.top_k >= 0):
+        if not (is_int(self.top_k) and self.top_k >= 0):
             raise ConfigError(f"top_k must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
         if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ConfigError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
@@ -74,21 +77,22 @@ class GenerationConfig:
     """One generation request.
 
     max_new_tokens: stop after this many generated tokens.
-    gamma: the draft length k (tokens the draft proposes per round), as the schedule reads it:
-        "fixed" drafts k = gamma every round; "heuristic" starts at k = gamma; "adaptive" picks
-        k in 0..min(gamma, 16) each round. The schedules take it under those names
-        (FixedSchedule(k), HeuristicSchedule(start), AdaptiveSchedule's costs up to kmax).
+    draft_length: the draft length k (tokens the drafter proposes per round), as the schedule
+        reads it: "fixed" drafts k = draft_length every round; "heuristic" starts at it;
+        "adaptive" picks k in 0..min(draft_length, 16) each round. The schedules take it under
+        those names (FixedSchedule(k), HeuristicSchedule(start), AdaptiveSchedule's costs up
+        to kmax). ``gamma`` is its former name, still accepted (deprecated).
     schedule: "fixed", "heuristic" (transformers' +2/-1 rule) or "adaptive" (k maximising
         expected tokens/s from measured costs; see runtime/schedule.py).
-    use_draft: False decodes with the target alone (the baseline speculative decoding must match).
     seed: seeds the sampler; the same seed gives the same text, whatever the schedule and k.
     stop: strings that end generation; the text is cut before the first one found.
     ignore_eos: keep generating after EOS until max_new_tokens (for benchmarks: runs of equal
         length whatever they sample).
     drafter: "model" (the package's draft model), "ngram" (the last ngram_max..ngram_min tokens
         looked up earlier in prompt and output, proposing what followed them), "none" (the
-        target alone) or "auto" (model if the package has a draft, else ngram). use_draft=False
-        means "none" whatever this says.
+        target alone: the baseline speculative decoding must match) or "auto" (model if the
+        package has a draft, else ngram). ``use_draft=False`` is the former way to say "none",
+        still accepted (deprecated); ``use_draft`` reads whether a drafter may run.
     ngram_min, ngram_max: the shortest and longest suffix the n-gram lookup matches (longest
         first); 1 <= ngram_min <= ngram_max <= 8.
     token_healing: back a text prompt off its last token and let the first generated token be
@@ -102,9 +106,8 @@ class GenerationConfig:
     # Defaults from `edgespec bench` on the demo pair (benchmarks/RESULTS.md): adaptive with k up
     # to 8 is close to the best fixed k, and unlike a fixed k it turns drafting down or off
     # where a draft step is dear (real pairs on a CPU)
-    gamma: int = 8
+    draft_length: int = 8
     schedule: str = "adaptive"
-    use_draft: bool = True
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -114,37 +117,79 @@ class GenerationConfig:
     token_healing: bool = True
 
     def __post_init__(self) -> None:
-        if not (_is_int(self.max_new_tokens) and self.max_new_tokens >= 1):
+        if not (is_int(self.max_new_tokens) and self.max_new_tokens >= 1):
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not isinstance(self.sampling, SamplingConfig):
             raise ConfigError(f"sampling must be a SamplingConfig, got {self.sampling!r}")
-        if not (_is_int(self.gamma) and 1 <= self.gamma <= MAX_GAMMA):
-            raise ConfigError(
-                f"gamma must be an integer in 1..{MAX_GAMMA} (tokens drafted per round), "
-                f"got {self.gamma!r}"
-            )
+        _check_draft_length("draft_length", self.draft_length)
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.drafter not in DRAFTERS:
             raise ConfigError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
-        if not (_is_int(self.ngram_max) and 1 <= self.ngram_max <= MAX_NGRAM):
+        if not (is_int(self.ngram_max) and 1 <= self.ngram_max <= MAX_NGRAM):
             raise ConfigError(
                 f"ngram_max must be an integer in 1..{MAX_NGRAM}, got {self.ngram_max!r}"
             )
-        if not (_is_int(self.ngram_min) and 1 <= self.ngram_min <= self.ngram_max):
+        if not (is_int(self.ngram_min) and 1 <= self.ngram_min <= self.ngram_max):
             raise ConfigError(f"ngram_min must be an integer in 1..ngram_max ({self.ngram_max}), "
                               f"got {self.ngram_min!r}")
-        for name in ("use_draft", "ignore_eos", "token_healing"):
+        for name in ("ignore_eos", "token_healing"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.seed is not None and not (_is_int(self.seed) and self.seed >= 0):
+        if self.seed is not None and not (is_int(self.seed) and self.seed >= 0):
             raise ConfigError(f"seed must be None or an integer >= 0, got {self.seed!r}")
         if not (isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop)):
             raise ConfigError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
 
 
-def _is_int(value: object) -> bool:
-    """An integer, Python's or NumPy's; not a bool."""
+    @property
+    def gamma(self) -> int:
+        """Deprecated: ``draft_length``."""
+        return self.draft_length
+
+    @property
+    def use_draft(self) -> bool:
+        """Deprecated: whether a drafter may run, i.e. ``drafter != "none"``."""
+        return self.drafter != NO_DRAFTER
+
+
+_GENERATED_INIT = GenerationConfig.__init__
+
+
+def _init_with_former_names(self: GenerationConfig, *args, gamma: object = None,
+                            use_draft: object = None, **kwargs) -> None:
+    """GenerationConfig's own __init__, also taking its former settings (deprecated):
+    ``gamma`` for draft_length (it wins over a draft_length given too, so that
+    ``dataclasses.replace(config, gamma=4)`` sets it) and ``use_draft=False`` for
+    drafter="none"."""
+    if gamma is not None:
+        warnings.warn("GenerationConfig(gamma=...) is deprecated; use draft_length",
+                      DeprecationWarning, stacklevel=2)
+        _check_draft_length("gamma", gamma)
+        kwargs["draft_length"] = gamma
+    if use_draft is not None:
+        warnings.warn('GenerationConfig(use_draft=...) is deprecated; use drafter="none"',
+                      DeprecationWarning, stacklevel=2)
+        if not isinstance(use_draft, bool):
+            raise ConfigError(f"use_draft must be True or False, got {use_draft!r}")
+        if not use_draft:
+            kwargs["drafter"] = NO_DRAFTER
+    _GENERATED_INIT(self, *args, **kwargs)
+
+
+GenerationConfig.__init__ = _init_with_former_names
+
+
+def _check_draft_length(name: str, value: object) -> None:
+    if not (is_int(value) and 1 <= value <= MAX_DRAFT_LENGTH):
+        raise ConfigError(f"{name} must be an integer in 1..{MAX_DRAFT_LENGTH} (tokens drafted "
+                          f"per round), got {value!r}")
+FORMER_SETTINGS = ("gamma", "use_draft")  # still accepted by GenerationConfig (deprecated)
+
+
+def is_int(value: object) -> bool:
+    """An integer, Python's or NumPy's; not a bool. (The one integer check: configs, manifest
+    fields, prompt ids.)"""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 

@@ -25,3 +25,12 @@ class GenerationError(EdgespecError):
 class ConfigError(EdgespecError, ValueError):
     """A setting has the wrong type or is out of range. Also a ValueError, so callers that
     caught the ValueError these settings raised before still catch it."""
+
+
+def one_line(error: BaseException | str, limit: int | None = 200) -> str:
+    """An error's message (another library's, often multi-line) on one line, for ours: its
+    whitespace runs made single spaces, cut to ``limit`` characters (None: not cut) with "..."."""
+    text = " ".join(str(error).split())
+    if limit is None or len(text) <= limit:
+        return text
+    return text[: limit - 3] + "..."

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+from edgespec.config import is_int
 from edgespec.errors import ManifestError
 
 MANIFEST_NAME = "edgespec.json"
@@ -77,7 +78,7 @@ class Manifest:
     bos_token_id: int | None
     pad_token_id: int | None
     add_bos_token: bool
-    tokenizer: str = "tokenizer.json"
+    tokenizer: str = TOKENIZER_NAME
     # the tokenizer's size and vocabulary hash (runtime/package_checks.py), checked at load;
     # None in packages from before it was written
     tokenizer_fingerprint: dict | None = None
@@ -88,6 +89,13 @@ class Manifest:
     source: dict = field(default_factory=dict)
     edgespec_version: str = ""
     format_version: int = FORMAT_VERSION
+
+    def with_bos(self, ids: list[int]) -> list[int]:
+        """Text's token ids as the model reads them: BOS first where the tokenizer adds one
+        (``add_bos_token``, and a ``bos_token_id`` to add); ``ids`` as they are otherwise."""
+        if self.add_bos_token and self.bos_token_id is not None:
+            return [self.bos_token_id, *ids]
+        return ids
 
     @property
     def models(self) -> dict[str, ModelSpec]:
@@ -176,16 +184,12 @@ class Manifest:
 Check = tuple[str, Callable[[object], bool]]
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _one_of(choices: tuple) -> Check:
     return f"one of {', '.join(json.dumps(c) for c in choices)}", lambda v: v in choices
 
 
-_COUNT: Check = ("an integer >= 1", lambda v: _is_int(v) and v >= 1)
-_SIZE: Check = ("an integer >= 0", lambda v: _is_int(v) and v >= 0)
+_COUNT: Check = ("an integer >= 1", lambda v: is_int(v) and v >= 1)
+_SIZE: Check = ("an integer >= 0", lambda v: is_int(v) and v >= 0)
 _TOKEN_ID: Check = ("null or a token id (an integer >= 0)", lambda v: v is None or _SIZE[1](v))
 _TEXT: Check = ("a string", lambda v: isinstance(v, str))
 _PATH: Check = ("a path inside the package folder",
@@ -209,7 +213,7 @@ SPEC_FIELDS: dict[str, Check] = {
                lambda v: isinstance(v, dict) and all(_SIZE[1](n) for n in v.values())),
     "quantization": _one_of(WEIGHT_QUANTIZATIONS),
     "compute": _one_of(COMPUTES),
-    "min_run_tokens": ("an integer from 1 to 16", lambda v: _is_int(v) and 1 <= v <= 16),
+    "min_run_tokens": ("an integer from 1 to 16", lambda v: is_int(v) and 1 <= v <= 16),
     "parameters": _SIZE,
     "validation": _OBJECT,
     "token_ids": ("null or a path inside the package folder", lambda v: v is None or _PATH[1](v)),
@@ -220,7 +224,7 @@ MANIFEST_FIELDS: dict[str, Check] = {
               lambda v: v is None or isinstance(v, dict)),
     "vocab_size": _COUNT,
     "max_positions": ("an integer >= 2 (a prompt token and one to generate)",
-                      lambda v: _is_int(v) and v >= 2),
+                      lambda v: is_int(v) and v >= 2),
     "eos_token_ids": ("a list of token ids (integers >= 0)",
                       lambda v: isinstance(v, list) and all(_SIZE[1](i) for i in v)),
     "bos_token_id": _TOKEN_ID,
@@ -228,7 +232,7 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "add_bos_token": ("true or false", lambda v: isinstance(v, bool)),
     "tokenizer": _PATH,
     "tokenizer_fingerprint": ("null or a JSON object: size (an integer), sha256 (a string)",
-                              lambda v: v is None or (isinstance(v, dict) and _is_int(v.get("size"))
+                              lambda v: v is None or (isinstance(v, dict) and is_int(v.get("size"))
                                                       and isinstance(v.get("sha256"), str))),
     "chat_template": ("null or a path inside the package folder",
                       lambda v: v is None or _PATH[1](v)),
@@ -241,7 +245,7 @@ MANIFEST_FIELDS: dict[str, Check] = {
                            for t in v.values())),
     "source": _OBJECT,
     "edgespec_version": _TEXT,
-    "format_version": ("an integer", _is_int),
+    "format_version": ("an integer", is_int),
 }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ from edgespec.runtime.pipeline import make_config
 BAD_GENERATION = [
     dict(max_new_tokens="5"), dict(max_new_tokens=0), dict(max_new_tokens=2.5),
     dict(gamma=0), dict(gamma=100_000), dict(gamma=4.0), dict(gamma="4"),
+    dict(draft_length=0), dict(draft_length=65), dict(draft_length=True),
     dict(seed=-1), dict(seed="1"), dict(seed=1.5),
     dict(schedule="magic"), dict(schedule=None),
     dict(stop=("",)), dict(stop=("END", 5)), dict(stop="END"),
@@ -52,6 +55,18 @@ def test_make_config_refuses_the_same_settings(settings):
 def test_gamma_out_of_range_names_the_allowed_range():
     with pytest.raises(EdgespecError, match=r"gamma must be an integer in 1\.\.64"):
         GenerationConfig(gamma=100_000)
+
+
+def test_the_former_names_still_work_and_warn():
+    with pytest.warns(DeprecationWarning, match="draft_length"):
+        config = GenerationConfig(gamma=3)
+    assert config.draft_length == config.gamma == 3
+    assert replace(config, gamma=5).draft_length == 5  # the former name wins, as given last
+    with pytest.warns(DeprecationWarning, match='drafter="none"'):
+        alone = GenerationConfig(use_draft=False, drafter="ngram")
+    assert alone.drafter == "none" and not alone.use_draft
+    assert GenerationConfig().use_draft and make_config(use_draft=False).drafter == "none"
+    assert make_config(gamma=2).draft_length == 2
 
 
 def test_unknown_settings_and_a_wrong_base_are_config_errors():

@@ -103,6 +103,21 @@ def test_drafter_settings_are_validated():
     assert resolve_drafter(GenerationConfig(drafter="ngram", use_draft=False), True) == "none"
 
 
+def test_a_drafter_without_a_name_is_refused_where_it_is_defined():
+    with pytest.raises(TypeError, match="Forgetful must set name"):
+        class Forgetful(drafters.Drafter):
+            def next_row(self, committed, drafted, sampling):
+                return None
+
+    class Named(drafters.Drafter):
+        name = "mine"
+
+    class Extended(drafters.NgramDrafter):  # an n-gram drafter: its parent's name
+        pass
+
+    assert Named().drafts and Extended.name == "ngram" and not drafters.NoDrafter().drafts
+
+
 # ---------------------------------------------------------------------------------------------
 # The loop with n-gram drafting on fake sessions (logits a function of the prefix)
 

@@ -42,7 +42,7 @@ from edgespec.export.validate import (
     validate_graph,
     validation_ids,
 )
-from edgespec.manifest import CHAT_TEMPLATE_NAME, Manifest, ModelSpec
+from edgespec.manifest import CHAT_TEMPLATE_NAME, TOKENIZER_NAME, Manifest, ModelSpec
 from edgespec.runtime.package_checks import tokenizer_fingerprint
 
 Progress = Callable[[str], None]
@@ -89,31 +89,31 @@ def export_pair(
     """
     out = Path(out)
     if dtype not in EXPORT_DTYPES:
-        raise ExportError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
+        raise ExportError(f"dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     if quantize not in (None, *EXPORT_QUANTIZATIONS):
-        raise ExportError(f"--quantize must be one of {', '.join(EXPORT_QUANTIZATIONS)}, "
+        raise ExportError(f"quantize must be None or one of {', '.join(EXPORT_QUANTIZATIONS)}, "
                           f"got {quantize!r}")
     if quantize and dtype != "fp32":
-        raise ExportError("--quantize works on fp32 graphs; drop --dtype fp16 or --quantize")
+        raise ExportError("quantize works on fp32 graphs; use dtype fp32 or no quantize")
     if graph not in EXPORT_GRAPHS:
-        raise ExportError(f"--graph must be one of {', '.join(EXPORT_GRAPHS)}, got {graph!r}")
+        raise ExportError(f"graph must be one of {', '.join(EXPORT_GRAPHS)}, got {graph!r}")
     if target_compute not in TARGET_COMPUTES:
-        raise ExportError(f"--target-compute must be one of {', '.join(TARGET_COMPUTES)}, "
+        raise ExportError(f"target_compute must be one of {', '.join(TARGET_COMPUTES)}, "
                           f"got {target_compute!r}")
     if target_compute == "int8" and not quantize:
-        raise ExportError("--target-compute int8 needs a quantized target; add --quantize int4 "
+        raise ExportError("target_compute int8 needs a quantized target; quantize it int4 "
                           "or int8")
     if validation not in VALIDATIONS:
-        raise ExportError(f"--validate must be one of {', '.join(VALIDATIONS)}, got {validation!r}")
+        raise ExportError(f"validation must be one of {', '.join(VALIDATIONS)}, got {validation!r}")
     draft_quantize = quantize if draft_quantize == "same" else draft_quantize
     if draft_quantize not in (None, *EXPORT_QUANTIZATIONS):
-        raise ExportError("--draft-quantize must be one of none, "
+        raise ExportError("draft_quantize must be None, \"same\" or one of "
                           f"{', '.join(EXPORT_QUANTIZATIONS)}, "
                           f"got {draft_quantize!r}")
     if draft_quantize and dtype != "fp32":
-        raise ExportError("--draft-quantize works on fp32 graphs; drop --dtype fp16")
+        raise ExportError("draft_quantize works on fp32 graphs; use dtype fp32")
     if draft_vocab is not None and draft is None:
-        raise ExportError("--draft-vocab restricts a draft's output; this export has no --draft")
+        raise ExportError("draft_vocab restricts a draft's output; this export has no draft")
     variants = {"target": quantize or dtype, "draft": draft_quantize or dtype}
     report = _Steps(progress or (lambda line: None), total=4 if draft is not None else 3)
     out = check_destination(out, overwrite)
@@ -170,8 +170,8 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
         if reason:
             report.detail(f"optimum's graph for the {role}: {reason}")
     if token_ids is not None and graph != "fused":
-        raise ExportError(f"--draft-vocab needs edgespec's fused graph for the draft, and "
-                          f"{reason or 'optimum was asked for'}; drop --draft-vocab")
+        raise ExportError(f"draft_vocab needs edgespec's fused graph for the draft, and "
+                          f"{reason or 'optimum was asked for'}; export without draft_vocab")
     ids = validation_ids(ckpt.tokenizer, ckpt.vocab_size,
                          min(VALIDATION_LENGTH, ckpt.max_positions))
     write = _write_fused if graph == "fused" else _write_optimum
@@ -289,8 +289,8 @@ def _write_package(
     generation: dict,
 ) -> Manifest:
     tokenizer = target.tokenizer
-    tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
-    saved = Tokenizer.from_file(str(tmp / "tokenizer.json"))  # as the runtime will load it
+    tokenizer.backend_tokenizer.save(str(tmp / TOKENIZER_NAME))
+    saved = Tokenizer.from_file(str(tmp / TOKENIZER_NAME))  # as the runtime will load it
     template = _chat_template(tokenizer)
     if template is not None:
         (tmp / CHAT_TEMPLATE_NAME).write_text(template, encoding="utf-8")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import platformdirs
 
+from edgespec.manifest import MANIFEST_NAME
 from edgespec.runtime.machine import cpu_model, onnxruntime_build, usable_cores
 from edgespec.runtime.schedule import StepCosts
 
@@ -48,7 +49,7 @@ def cache_folder() -> Path | None:
 def package_stamp(package: Path, model_paths: list[str]) -> str:
     """What identifies a package's graphs: its manifest's bytes and each model folder's file
     names, sizes and modification times (a re-export changes them)."""
-    digest = hashlib.sha256((package / "edgespec.json").read_bytes())
+    digest = hashlib.sha256((package / MANIFEST_NAME).read_bytes())
     for model in model_paths:
         for file in sorted((package / model).parent.iterdir()):
             if file.is_file():

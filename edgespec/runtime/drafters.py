@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from edgespec.config import GenerationConfig, SamplingConfig
+from edgespec.config import NO_DRAFTER, GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError
 from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
 from edgespec.runtime.sampling import Dist, point_mass, process_row
@@ -40,9 +40,25 @@ from edgespec.runtime.stats import GenerationStats
 
 
 class Drafter:
-    """Proposes draft tokens; subclasses answer ``next_row`` and ``rollback``."""
+    """Proposes draft tokens; subclasses answer ``next_row`` and ``rollback``.
 
-    name = "none"
+    Every drafter has a name (``name``: "model", "ngram", "none", as config.DRAFTERS and the
+    stats say it), its own or a named drafter's it extends: a subclass of Drafter without one
+    is refused when it is defined, so that none passes for another drafter, or for none.
+    """
+
+    name: str
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if not isinstance(getattr(cls, "name", None), str):
+            raise TypeError(f"{cls.__name__} must set name, a str (config.DRAFTERS), "
+                            "like the other drafters")
+
+    @property
+    def drafts(self) -> bool:
+        """Whether it can propose anything: False for target-only decoding."""
+        return self.name != NO_DRAFTER
 
     def prefill(self, prompt: list[int]) -> None:
         """Take in the prompt before the first round (the model: all but its last token)."""
@@ -78,6 +94,8 @@ class Drafter:
 
 class NoDrafter(Drafter):
     """Target-only decoding: no proposal, every position drawn from p alone."""
+
+    name = NO_DRAFTER
 
 
 class ModelDrafter(Drafter):
@@ -206,9 +224,7 @@ def tokens_from(committed: list[int], drafted: Sequence[int], start: int) -> lis
 
 def resolve_drafter(config: GenerationConfig, has_draft: bool) -> str:
     """The drafter a request gets: "auto" is the draft model if there is one, else the n-gram
-    lookup; ``use_draft=False`` is "none"."""
-    if not config.use_draft:
-        return "none"
+    lookup."""
     if config.drafter == "auto":
         return "model" if has_draft else "ngram"
     if config.drafter == "model" and not has_draft:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec.errors import ManifestError
+from edgespec.errors import ManifestError, one_line
 
 KV_TYPES = ("tensor(float)", "tensor(float16)")
 # Text a tokenizer must take without a fault or a blow-up: printable ASCII, and a little of
@@ -154,7 +154,7 @@ def check_probe_run(path: Path, session) -> None:
     except ManifestError:
         raise
     except Exception as e:  # onnxruntime's own errors: a graph that cannot run
-        _refuse(path, f"cannot run one token ({' '.join(str(e).split())[:200]})")
+        _refuse(path, f"cannot run one token ({one_line(e)})")
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:
@@ -194,7 +194,7 @@ def check_tokenizer(path: Path, tokenizer, fingerprint: dict | None) -> None:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         _refuse(path, f"fails on plain text ({type(e).__name__}: "
-                      f"{' '.join(str(e).split())[:200]})")
+                      f"{one_line(e)})")
 
 
 def _refuse(path: Path, what: str) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 import threading
 import time
 import warnings
@@ -12,8 +11,15 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from edgespec.config import GenerationConfig, SamplingConfig, resolve_sampling
-from edgespec.errors import ConfigError, GenerationError, ManifestError
+from edgespec.config import (
+    FORMER_SETTINGS,
+    NO_DRAFTER,
+    GenerationConfig,
+    SamplingConfig,
+    is_int,
+    resolve_sampling,
+)
+from edgespec.errors import ConfigError, GenerationError, ManifestError, one_line
 from edgespec.manifest import Manifest
 from edgespec.runtime import calibration
 from edgespec.runtime.drafters import make_drafter, resolve_drafter
@@ -140,9 +146,7 @@ class Pipeline:
         if isinstance(prompt, (list, tuple)):  # not bytes, also a Sequence of ints
             return check_ids(prompt, self.manifest.vocab_size)
         check_text(prompt)
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
-        if self.manifest.add_bos_token and self.manifest.bos_token_id is not None:
-            ids = [self.manifest.bos_token_id, *ids]
+        ids = self.manifest.with_bos(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
         if not ids:
             raise GenerationError("the prompt is empty; give at least one character")
         return ids
@@ -181,7 +185,7 @@ class Pipeline:
             )
         drafter = resolve_drafter(config, has_draft=self.draft is not None)
         threads = {role: c.threads for role, c in self.session_configs.items()}
-        stats = GenerationStats(speculative=drafter != "none", threads=threads, drafter=drafter)
+        stats = GenerationStats(speculative=drafter != NO_DRAFTER, threads=threads, drafter=drafter)
         text: TextAssembler | None = None  # made once the prompt is healed (or not)
         cancelled = threading.Event()
 
@@ -222,12 +226,12 @@ class Pipeline:
 
     def _schedule(self, config: GenerationConfig, drafter: str,
                   stats: GenerationStats) -> Schedule:
-        if drafter == "none":
+        if drafter == NO_DRAFTER:
             return FixedSchedule(0)
         if config.schedule == "heuristic":
-            return HeuristicSchedule(config.gamma)
+            return HeuristicSchedule(config.draft_length)
         if config.schedule == "adaptive":
-            kmax = min(config.gamma, ADAPTIVE_MAX_K)
+            kmax = min(config.draft_length, ADAPTIVE_MAX_K)
             first_use = kmax not in self._costs
             costs = self.step_costs(kmax)
             # this request paid for the costs only on their first use in this process
@@ -236,7 +240,7 @@ class Pipeline:
             if drafter == "ngram":  # a lookup costs microseconds, not a draft model's run
                 costs = replace(costs, draft_step_ms=NGRAM_STEP_MS)
             return AdaptiveSchedule(costs, sampled=not config.sampling.greedy)
-        return FixedSchedule(config.gamma)
+        return FixedSchedule(config.draft_length)
 
     def step_costs(self, kmax: int) -> StepCosts:
         """Draft and target run times for k = 0..kmax: read from the calibration cache
@@ -273,8 +277,9 @@ class Pipeline:
         """Generate a continuation of ``prompt``.
 
         ``config`` gives every setting at once; keyword settings override its fields:
-        max_new_tokens, gamma, schedule, use_draft, drafter, ngram_min, ngram_max, seed, stop,
-        ignore_eos, token_healing, temperature, top_k, top_p. Without ``config``, sampling
+        max_new_tokens, draft_length, schedule, drafter, ngram_min, ngram_max, seed, stop,
+        ignore_eos, token_healing, temperature, top_k, top_p (and, deprecated, gamma for
+        draft_length and use_draft=False for drafter="none"). Without ``config``, sampling
         starts from the package's defaults (``default_sampling``: its target's
         generation_config.json, else greedy) and keyword settings override them.
         """
@@ -293,7 +298,7 @@ def load_tokenizer(folder: Path, manifest: Manifest) -> Tokenizer:
     except Exception as e:
         if type(e) is not Exception:  # tokenizers raises plain Exceptions for unreadable files
             raise
-        raise ManifestError(f"cannot read {path} ({' '.join(str(e).split())}); "
+        raise ManifestError(f"cannot read {path} ({one_line(e, limit=None)}); "
                             "re-export the pair") from None
     size = tokenizer.get_vocab_size()
     if size > manifest.vocab_size:
@@ -333,7 +338,7 @@ def check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
     if not ids:
         raise GenerationError("the prompt is empty; give at least one token id")
     for i in ids:
-        if not (isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < vocab_size):
+        if not (is_int(i) and 0 <= i < vocab_size):
             raise GenerationError(
                 f"the prompt must be a str or a list of token ids (integers in "
                 f"0..{vocab_size - 1}), got {i!r} in the list"
@@ -345,7 +350,8 @@ def make_config(config: GenerationConfig | None = None,
                 default_sampling: SamplingConfig | None = None, **settings) -> GenerationConfig:
     """A GenerationConfig from an optional base and flat keyword settings; without a base,
     sampling starts from ``default_sampling`` (a package's defaults)."""
-    if config is not None and not isinstance(config, GenerationConfig):
+    given_config = config is not None
+    if given_config and not isinstance(config, GenerationConfig):
         raise ConfigError(
             f"config must be a GenerationConfig, got {type(config).__name__}; "
             "pass settings as keywords"
@@ -356,17 +362,18 @@ def make_config(config: GenerationConfig | None = None,
         # one string or several; anything else goes on for GenerationConfig to refuse
         settings["stop"] = ((stop,) if isinstance(stop, str)
                             else tuple(stop) if isinstance(stop, Iterable) else stop)
-    unknown = set(settings) - {f.name for f in fields(GenerationConfig)} - {"sampling"}
+    fields_ = {f.name for f in fields(GenerationConfig)} - {"sampling"}
+    unknown = set(settings) - fields_ - {"sampling", *FORMER_SETTINGS}
     if unknown:
-        known = _SAMPLING_FIELDS | ({f.name for f in fields(GenerationConfig)} - {"sampling"})
         raise ConfigError(f"unknown generation setting(s): {', '.join(sorted(unknown))}; "
-                          f"known: {', '.join(sorted(known))}")
-    if config is None:  # the package's defaults, then what is given (config.resolve_sampling)
-        base = asdict(default_sampling) if default_sampling else {}
-        return replace(GenerationConfig(sampling=resolve_sampling(sampling, base)), **settings)
-    if sampling:
-        settings["sampling"] = replace(config.sampling, **sampling)
-    return replace(config, **settings)
+                          f"known: {', '.join(sorted(_SAMPLING_FIELDS | fields_))}")
+    config = config if config is not None else GenerationConfig()
+    # the sampling settings given, else the base's: a SamplingConfig given whole, the config's
+    # (the package's defaults without a config)
+    base = settings.pop("sampling", config.sampling if given_config else default_sampling)
+    if base is None or isinstance(base, SamplingConfig):  # anything else: refused below
+        base = resolve_sampling(sampling, asdict(base) if base else {})
+    return replace(config, sampling=base, **settings)
 
 
 def load(

@@ -36,18 +36,25 @@ class StepCosts:
         return len(self.target_ms) - 1
 
     def round_ms(self, k: int, alpha: float = 0.0, sampled: bool = False) -> float:
-        """Expected ms of a round drafting k tokens.
-
-        A sampled round drafting k >= 1 runs the draft once more after a full acceptance, with
-        probability alpha^k (position k is drawn with the draft's proposal there,
-        runtime/speculative.py); a k = 0 round is one target step and nothing else.
-        """
-        extra = self.draft_step_ms * alpha**k if sampled and k else 0.0
-        return k * self.draft_step_ms + self.target_ms[k] + extra
+        """Expected ms of a round drafting k tokens (``round_ms``)."""
+        return round_ms(k, self.draft_step_ms, self.target_ms[k], alpha, sampled)
 
     def tokens_per_ms(self, alpha: float, k: int, sampled: bool = False) -> float:
         """Expected tokens per ms of a round drafting k tokens."""
         return expected_tokens(alpha, k) / self.round_ms(k, alpha, sampled)
+
+
+def round_ms(k: int, draft_step_ms: float, verify_ms: float, alpha: float = 0.0,
+             sampled: bool = False) -> float:
+    """Expected ms of a round drafting k tokens: k draft steps and one target run on k + 1
+    tokens (``verify_ms``).
+
+    A sampled round drafting k >= 1 runs the draft once more after a full acceptance, with
+    probability alpha^k (position k is drawn with the draft's proposal there,
+    runtime/speculative.py); a k = 0 round is one target step and nothing else.
+    """
+    extra = draft_step_ms * alpha**k if sampled and k else 0.0
+    return k * draft_step_ms + verify_ms + extra
 
 
 def expected_tokens(alpha: float, k: int) -> float:
