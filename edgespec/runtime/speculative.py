@@ -166,7 +166,7 @@ def constrained_step(
 def request_positions(prompt_tokens: int, config: GenerationConfig) -> int:
     """Cache positions one request needs: every token it may commit, plus one round's drafts
     (not the model's whole context; an in-place cache grows if a schedule drafts further)."""
-    return prompt_tokens + config.max_new_tokens + config.gamma + 1
+    return prompt_tokens + config.max_new_tokens + config.draft_length + 1
 
 
 def decode(
@@ -193,65 +193,101 @@ def decode(
     started = time.perf_counter()
     committed = list(prompt)
     stats.prompt_tokens = len(prompt)
-    speculative = drafter.name != "none"
-    positions = request_positions(len(prompt), config)
+
+    # 1. prefill: every prompt token but the last, so the cache invariant holds from round one
+    target_runner = _prefill(target, drafter, committed, request_positions(len(prompt), config),
+                             stats)
+
+    # 2. token healing: the first token from the target's row restricted to the allowed ids,
+    #    drawn alike in target-only and speculative decoding and never drafted, so it is exact
+    #    by construction (and a seed gives the same token whatever k or the schedule). A target
+    #    step: counted as a k = 0 round, not shown the schedule.
+    if first_allowed is not None:
+        new = [constrained_step(target_runner, committed, first_allowed, config.sampling,
+                                uniforms, stats)]
+        if drafter.drafts:
+            stats.draft_lengths[0] = stats.draft_lengths.get(0, 0) + 1
+        new = _commit(new, 1, committed, target_runner, drafter, eos_token_ids, stats, started)
+        yield new
+        stats.finish_reason = _finish_reason(new, committed, config, max_positions,
+                                             eos_token_ids, stats)
+
+    # 3. rounds, each committing 1..k+1 tokens, until EOS, max_new_tokens or the context's end
+    while not stats.finish_reason:
+        room = min(config.max_new_tokens - stats.new_tokens, max_positions - len(committed))
+        new = _scheduled_round(target_runner, drafter, committed, room, config, schedule,
+                               uniforms, stats)
+        new = _commit(new, room, committed, target_runner, drafter, eos_token_ids, stats,
+                      started)
+        yield new
+        stats.finish_reason = _finish_reason(new, committed, config, max_positions,
+                                             eos_token_ids, stats)
+
+
+def _prefill(target: ModelSession, drafter: Drafter, prompt: list[int], positions: int,
+             stats: GenerationStats) -> TargetRunner:
+    """The target's runner with ``prompt[:-1]`` in its cache, the drafter given the prompt;
+    timed as a whole into ``stats.prefill_s``, the runner timing its own runs from then on."""
     target_runner = TargetRunner.start(target, positions)
-    # Prefill: every prompt token but the last, so the invariant holds from the first round.
     with _timed(stats, "prefill_s"):
         if len(prompt) > 1:
-            target_runner.run(committed[:-1])
-        drafter.prefill(committed)
+            target_runner.run(prompt[:-1])
+        drafter.prefill(prompt)
     target_runner.stats = stats
+    return target_runner
 
-    while True:
-        room = min(config.max_new_tokens - stats.new_tokens, max_positions - len(committed))
-        if first_allowed is not None:
-            # Token healing: the first position from the target's row restricted to the allowed
-            # ids, drawn identically in target-only and speculative decoding and never drafted,
-            # so it is exact by construction (and a seed gives the same token whatever k or
-            # the schedule). A target step: counted as a k = 0 round, not shown the schedule.
-            new = [constrained_step(target_runner, committed, first_allowed, config.sampling,
-                                    uniforms, stats)]
-            first_allowed = None
-            if speculative:
-                stats.draft_lengths[0] = stats.draft_lengths.get(0, 0) + 1
-        else:
-            # A round commits up to k + 1 tokens: drafting more than the request or the window
-            # has room for is wasted, but a round the schedule gives drafts stays one, down to
-            # k = 1 for the last token (its surplus dropped below), so that every position of
-            # a fixed k >= 1 is drawn from (p, q, u) alike: one seed, one text, whatever k.
-            wanted = schedule.next_k() if speculative else 0
-            k = min(wanted, max(room - 1, 1))
-            done = speculative_round(target_runner, drafter, committed, k, config.sampling,
-                                     uniforms, stats)
-            new = done.tokens
-            if done.drafted:
-                stats.record_round(done.drafted, done.accepted)
-            if speculative:
-                stats.draft_lengths[done.drafted] = stats.draft_lengths.get(done.drafted, 0) + 1
-                schedule.update(done.drafted, n_accepted=done.accepted)
-        if target_runner.cache.length != len(committed) + len(new) - 1:
-            raise CacheError(f"the target's cache covers {target_runner.cache.length} tokens, "
-                             f"not the {len(committed) + len(new) - 1} committed before the last")
 
-        if len(new) > room:  # the last round's surplus token: dropped, and the caches with it
-            new = new[:room]
-            target_runner.cache.crop(len(committed) + room - 1)
-            drafter.rollback(len(committed) + room - 1)
-        ends_at_eos = next((i for i, t in enumerate(new) if t in eos_token_ids), None)
-        if ends_at_eos is not None:
-            new = new[: ends_at_eos + 1]
-        committed += new
-        stats.new_tokens += len(new)
-        stats.total_s = time.perf_counter() - started
-        yield new
+def _scheduled_round(target: TargetRunner, drafter: Drafter, committed: list[int], room: int,
+                     config: GenerationConfig, schedule: Schedule, uniforms: PositionUniforms,
+                     stats: GenerationStats) -> list[int]:
+    """One round with the k the schedule picks, recorded in the stats and shown the schedule.
 
-        if ends_at_eos is not None:
-            stats.finish_reason = "eos"
-        elif stats.new_tokens >= config.max_new_tokens:
-            stats.finish_reason = "max_new_tokens"
-        elif len(committed) >= max_positions:
-            stats.finish_reason = "context_limit"
-        else:
-            continue
-        return
+    A round commits up to k + 1 tokens: drafting more than the request or the window has room
+    for is wasted, but a round the schedule gives drafts stays one, down to k = 1 for the last
+    token (its surplus dropped by ``_commit``), so that every position of a fixed k >= 1 is
+    drawn from (p, q, u) alike: one seed, one text, whatever k.
+    """
+    wanted = schedule.next_k() if drafter.drafts else 0
+    k = min(wanted, max(room - 1, 1))
+    done = speculative_round(target, drafter, committed, k, config.sampling, uniforms, stats)
+    if done.drafted:
+        stats.record_round(done.drafted, done.accepted)
+    if drafter.drafts:
+        stats.draft_lengths[done.drafted] = stats.draft_lengths.get(done.drafted, 0) + 1
+        schedule.update(done.drafted, n_accepted=done.accepted)
+    return done.tokens
+
+
+def _commit(new: list[int], room: int, committed: list[int], target: TargetRunner,
+            drafter: Drafter, eos_token_ids: set[int], stats: GenerationStats,
+            started: float) -> list[int]:
+    """Append a step's tokens to ``committed``, at most ``room`` of them and up to and with an
+    EOS, and count them; returns them. Checks the cache invariant first (the target's cache
+    covers every committed token but the last), and crops both caches back to it when the
+    last round's surplus is dropped."""
+    if target.cache.length != len(committed) + len(new) - 1:
+        raise CacheError(f"the target's cache covers {target.cache.length} tokens, "
+                         f"not the {len(committed) + len(new) - 1} committed before the last")
+    if len(new) > room:  # the last round's surplus token: dropped, and the caches with it
+        new = new[:room]
+        target.cache.crop(len(committed) + room - 1)
+        drafter.rollback(len(committed) + room - 1)
+    ends_at_eos = next((i for i, t in enumerate(new) if t in eos_token_ids), None)
+    if ends_at_eos is not None:
+        new = new[: ends_at_eos + 1]
+    committed += new
+    stats.new_tokens += len(new)
+    stats.total_s = time.perf_counter() - started
+    return new
+
+
+def _finish_reason(new: list[int], committed: list[int], config: GenerationConfig,
+                   max_positions: int, eos_token_ids: set[int], stats: GenerationStats) -> str:
+    """Why decoding stops after committing ``new``; "" if it goes on."""
+    if new[-1] in eos_token_ids:
+        return "eos"
+    if stats.new_tokens >= config.max_new_tokens:
+        return "max_new_tokens"
+    if len(committed) >= max_positions:
+        return "context_limit"
+    return ""
