@@ -47,7 +47,7 @@ def test_the_subset_is_the_most_frequent_tokens_then_the_lowest_ids(checkpoints,
     assert set(most) <= set(subset)
     no_text = frequent_tokens(tokenizer, 400, 10, [], always=[399])
     assert list(no_text) == [*range(9), 399]
-    with pytest.raises(ExportError, match="--draft-vocab must be in 1..400"):
+    with pytest.raises(ExportError, match="draft_vocab must be in 1..400"):
         frequent_tokens(tokenizer, 400, 401, [], always=[])
 
 
@@ -123,9 +123,9 @@ def test_the_subset_check_rejects_a_residual_without_the_other_tokens(words_subs
 
 
 def test_draft_vocab_needs_a_draft_and_a_fused_graph(checkpoints, tmp_path):
-    with pytest.raises(ExportError, match="has no --draft"):
+    with pytest.raises(ExportError, match="has no draft"):
         export_pair(checkpoints["llama_target"], None, tmp_path / "a", draft_vocab=10)
-    with pytest.raises(ExportError, match="--draft-vocab needs edgespec's fused graph"):
+    with pytest.raises(ExportError, match="draft_vocab needs edgespec's fused graph"):
         export_pair(checkpoints["gpt2_target"], checkpoints["gpt2_draft"], tmp_path / "b",
                     draft_vocab=10)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

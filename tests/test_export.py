@@ -389,7 +389,7 @@ def test_distribution_figures_follow_their_definitions():
 
 
 def test_quantize_and_fp16_together_are_refused(checkpoints, tmp_path):
-    with pytest.raises(ExportError, match="--quantize works on fp32 graphs"):
+    with pytest.raises(ExportError, match="quantize works on fp32 graphs"):
         export_pair(checkpoints["gpt2_target"], checkpoints["gpt2_draft"], tmp_path / "p",
                     dtype="fp16", quantize="int4")
 
@@ -454,7 +454,7 @@ def test_a_quantized_draft_beside_an_exact_target_keeps_greedy_output(checkpoint
         texts = {tuple(pipe.generate(prompt, max_new_tokens=32, gamma=k, schedule="fixed",
                                      temperature=1.0, seed=3).token_ids) for k in (1, 3, 6)}
         assert len(texts) == 1
-    with pytest.raises(ExportError, match="--draft-quantize must be one of"):
+    with pytest.raises(ExportError, match="draft_quantize must be None, \"same\" or one of"):
         export_pair(checkpoints["llama_target"], checkpoints["llama_target"], tmp_path / "q",
                     draft_quantize="int3")
 

@@ -42,7 +42,7 @@ print(json.dumps(out))
 ROWS_IDENTICAL = """
 import json, sys
 import edgespec
-from edgespec.runtime.runs import rows_identical
+from edgespec.runtime.run_checks import rows_identical
 print(json.dumps({path: rows_identical(edgespec.load(path, provider="cpu").target, trials=3)
                   for path in sys.argv[1:]}))
 """

@@ -15,7 +15,7 @@ from edgespec.export import export_pair
 from edgespec.export.runs import Candidate, _pick, set_compute
 from edgespec.manifest import Manifest
 from edgespec.runtime.providers import SessionConfig
-from edgespec.runtime.runs import rows_identical
+from edgespec.runtime.run_checks import rows_identical
 from edgespec.runtime.session import ModelSession
 
 PROMPTS = ["def add(a, b):", "The quick brown", "for i in range(10):", "import numpy as np"]

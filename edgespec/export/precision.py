@@ -190,6 +190,3 @@ def _load(folder: Path):
 def _save(model, folder: Path) -> None:
     save_model(model, folder)
 
-
-def _size(init) -> int:
-    return int(np.prod(init.dims)) if init.dims else 1

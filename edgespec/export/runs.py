@@ -32,7 +32,7 @@ from edgespec.export.precision import INT8_COMPUTE
 from edgespec.manifest import ModelSpec
 from edgespec.runtime.machine import load_average, usable_cores
 from edgespec.runtime.providers import SessionConfig
-from edgespec.runtime.runs import PADDED, VERIFY, rows_identical, run_costs
+from edgespec.runtime.run_checks import PADDED, VERIFY, rows_identical, run_costs
 from edgespec.runtime.session import ModelSession
 
 TARGET_COMPUTES = ("auto", "float", "int8")
@@ -82,7 +82,7 @@ def choose_runs(root: Path, spec: ModelSpec, max_positions: int, requested: str 
     computes = ["float", "int8"] if quantized else ["float"]
     if requested != "auto":
         if requested == "int8" and not quantized:
-            raise ExportError("--target-compute int8 needs a quantized target (--quantize)")
+            raise ExportError("target_compute int8 needs a quantized target (quantize int4 or int8)")
         computes = [requested]
     figures: dict = {"candidates": {}, "load_average": busy()}
     if figures["load_average"]:
@@ -102,7 +102,7 @@ def choose_runs(root: Path, spec: ModelSpec, max_positions: int, requested: str 
     chosen = _pick(figures["candidates"])
     if chosen is None:
         raise ExportError("int8 compute gives rows that differ with the run's size on this "
-                          "machine; export with --target-compute float")
+                          "machine; export with target_compute float")
     figures["chosen"] = chosen.name
     if quantized:
         set_compute(folder, chosen.compute)

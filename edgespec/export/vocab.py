@@ -31,14 +31,14 @@ def frequent_tokens(tokenizer, vocab_size: int, size: int, texts: list[Path],
                     always: list[int]) -> np.ndarray:
     """The ``size`` token ids (ascending) the draft will score; ``always`` are included first."""
     if not 0 < size <= vocab_size:
-        raise ExportError(f"--draft-vocab must be in 1..{vocab_size} (the vocabulary), got {size}")
+        raise ExportError(f"draft_vocab must be in 1..{vocab_size} (the vocabulary), got {size}")
     counts: Counter[int] = Counter()
     for path in texts:
         try:
             text = Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ExportError(f"cannot read the calibration text {path} ({e}); pass a UTF-8 "
-                              "text file to --draft-vocab-text") from None
+                              "text file (draft_vocab_texts)") from None
         counts.update(i for i in tokenizer(text, add_special_tokens=False).input_ids
                       if i < vocab_size)
     ranked = sorted(counts, key=lambda i: (-counts[i], i))

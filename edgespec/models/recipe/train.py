@@ -48,16 +48,7 @@ def train_target(
     def sample(generator: torch.Generator) -> torch.Tensor:
         return _random_windows(train_ids, config.batch_size, config.context_length, generator)
 
-    stats = _train(
-        target,
-        loss_fn,
-        sample,
-        config,
-        phase="target",
-        peak_lr=config.target_lr,
-        minutes=config.target_minutes,
-        progress=progress,
-    )
+    stats = _train(target, loss_fn, sample, config, phase="target", progress=progress)
     return target, stats
 
 
@@ -103,16 +94,7 @@ def distill_draft(
         which = int(torch.randint(0, len(sets), (1,), generator=generator))
         return which, torch.randint(0, len(sets[which]), (config.batch_size,), generator=generator)
 
-    stats = _train(
-        draft,
-        loss_fn,
-        sample,
-        config,
-        phase="draft",
-        peak_lr=config.draft_lr,
-        minutes=config.draft_minutes,
-        progress=progress,
-    )
+    stats = _train(draft, loss_fn, sample, config, phase="draft", progress=progress)
     return draft, replace(stats, setup_seconds=sum(t.seconds for t in sets))
 
 
@@ -128,17 +110,17 @@ def _train(
     config: RecipeConfig,
     *,
     phase: str,
-    peak_lr: float,
-    minutes: float,
     progress: Progress | None,
 ) -> PhaseStats:
-    """Minimise loss_fn on batches from ``sample`` until the time budget is spent.
+    """Minimise loss_fn on batches from ``sample`` until the phase's time budget is spent
+    (``phase`` "target" or "draft": the config's ``<phase>_lr`` and ``<phase>_minutes``).
 
     AdamW with linear warmup then cosine decay to zero, both measured in fractions of the budget;
     bf16 autocast, which about doubles training speed on CPU. Reports every tenth of the budget
     and leaves the model in eval mode.
     """
     report = progress or _ignore
+    peak_lr, minutes = getattr(config, f"{phase}_lr"), getattr(config, f"{phase}_minutes")
     torch.set_num_threads(config.threads or usable_cores())
     params = _param_groups(model, config.weight_decay)
     optimizer = torch.optim.AdamW(params, lr=peak_lr, betas=_ADAM_BETAS)
