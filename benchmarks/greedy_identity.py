@@ -20,29 +20,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import machine_info, read_prompts  # noqa: E402
+from helpers import recorded_target_rows  # noqa: E402  shared with tests/test_runs.py
 
 
 def recorded(pipe, **settings) -> tuple[list[int], dict[tuple, np.ndarray]]:
-    """Token ids of one generation, and the target's row for every prefix it scored."""
-    rows: dict[tuple, np.ndarray] = {}
-    text: list[int] = []
-    forward = pipe.target.forward
-
-    def recording(tokens, cache):
-        start = cache.length
-        del text[start:]
-        text.extend(int(t) for t in tokens)
-        logits = forward(tokens, cache)
-        for i, row in enumerate(logits):
-            rows[tuple(text[: start + i + 1])] = row.copy()
-        return logits
-
-    pipe.target.forward = recording
-    try:
-        return pipe.generate(**settings).token_ids, rows
-    finally:
-        del pipe.target.forward
+    """Token ids of one generation, and the target's (last) row for every prefix it scored."""
+    with recorded_target_rows(pipe) as rows:
+        token_ids = pipe.generate(**settings).token_ids
+    return token_ids, {prefix: found[-1] for prefix, found in rows.items()}
 
 
 def compare(pipe, prompts: list[str], new_tokens: int, gamma: int) -> dict:

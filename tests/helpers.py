@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 
 from edgespec.config import SamplingConfig
@@ -61,3 +64,28 @@ def texts_by_schedule(pipe, prompt: str, **settings) -> dict[str, list[int]]:
     runs["heuristic"] = pipe.generate(prompt, gamma=4, schedule="heuristic", **settings)
     assert all(r.stats.drafted > 0 for r in runs.values())
     return {name: r.token_ids for name, r in runs.items()}
+
+
+@contextmanager
+def recorded_target_rows(pipe) -> Iterator[dict[tuple, list[np.ndarray]]]:
+    """Every row of logits the target session computes while the block runs, by the tokens it
+    scores (the prefix up to and including the row's own token): one entry each time that
+    prefix was scored. (benchmarks/greedy_identity.py records with it too.)"""
+    rows: dict[tuple, list[np.ndarray]] = {}
+    text: list[int] = []  # the tokens the cache holds, as fed
+    forward = pipe.target.forward
+
+    def recording(tokens, cache):
+        start = cache.length
+        del text[start:]
+        text.extend(int(t) for t in tokens)
+        logits = forward(tokens, cache)
+        for i, row in enumerate(logits):
+            rows.setdefault(tuple(text[: start + i + 1]), []).append(row.copy())
+        return logits
+
+    pipe.target.forward = recording
+    try:
+        yield rows
+    finally:
+        del pipe.target.forward

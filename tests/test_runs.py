@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import recorded_target_rows
 
 import edgespec
 from edgespec.export import export_pair
@@ -81,30 +82,16 @@ def test_export_records_the_chosen_runs_and_their_figures(int4_package):
     assert chosen["exact"] and spec.min_run_tokens == 2 and spec.compute == "int8"
 
 
-def record_target_rows(pipe, monkeypatch) -> dict[tuple, bytes]:
-    """Every row of logits the target session computes, by the tokens it scores (the prefix
-    up to and including the row's own token)."""
-    rows: dict[tuple, bytes] = {}
-    text: list[int] = []  # the tokens the cache holds, as fed
-    forward = pipe.target.forward
-
-    def recording(tokens, cache):
-        start = cache.length
-        del text[start:]
-        text.extend(int(t) for t in tokens)
-        logits = forward(tokens, cache)
-        for i, row in enumerate(logits):
-            key = tuple(text[: start + i + 1])
-            assert rows.setdefault(key, row.tobytes()) == row.tobytes(), "one prefix, two rows"
-        return logits
-
-    monkeypatch.setattr(pipe.target, "forward", recording)
+def one_row_each(recorded: dict[tuple, list[np.ndarray]]) -> dict[tuple, bytes]:
+    """The row of each prefix, checked to be one whenever the prefix was scored again."""
+    rows = {prefix: found[0].tobytes() for prefix, found in recorded.items()}
+    assert all(r.tobytes() == rows[p] for p, found in recorded.items() for r in found), \
+        "one prefix, two rows"
     return rows
 
 
 @pytest.mark.parametrize("package", ["int4", "llama", "gpt2"])
-def test_greedy_speculative_and_target_only_see_the_same_rows(int4_package, packages, package,
-                                                              monkeypatch):
+def test_greedy_speculative_and_target_only_see_the_same_rows(int4_package, packages, package):
     """Bit for bit: with runs of at least two tokens, every position both modes score gets the
     same row of logits, so greedy output is identical by construction (not up to float
     rounding). The target computes as a padded package of each kind would (int8 for int4)."""
@@ -114,13 +101,13 @@ def test_greedy_speculative_and_target_only_see_the_same_rows(int4_package, pack
     pipe.target.min_run_tokens = 2
     for prompt in PROMPTS:
         for k in (1, 3, 4):
-            with monkeypatch.context() as m:
-                alone_rows = record_target_rows(pipe, m)
+            with recorded_target_rows(pipe) as recorded:
                 alone = pipe.generate(prompt, max_new_tokens=24, use_draft=False, ignore_eos=True)
-            with monkeypatch.context() as m:
-                spec_rows = record_target_rows(pipe, m)
+            alone_rows = one_row_each(recorded)
+            with recorded_target_rows(pipe) as recorded:
                 result = pipe.generate(prompt, max_new_tokens=24, gamma=k, schedule="fixed",
                                        ignore_eos=True)
+            spec_rows = one_row_each(recorded)
             assert result.stats.drafted > 0
             assert result.token_ids == alone.token_ids, (prompt, k)
             shared = set(alone_rows) & set(spec_rows)
@@ -128,19 +115,19 @@ def test_greedy_speculative_and_target_only_see_the_same_rows(int4_package, pack
             assert all(alone_rows[n] == spec_rows[n] for n in shared), (prompt, k)
 
 
-def test_one_token_runs_are_what_differs(packages, monkeypatch):
+def test_one_token_runs_are_what_differs(packages):
     """The same comparison with runs as fed finds rows that differ (the one-row kernels): the
     check above is what padding buys, not a property every run has."""
     pipe = edgespec.load(packages["llama"], provider="cpu")
     pipe.target.min_run_tokens = 1
     differing = 0
     for prompt in PROMPTS:
-        with monkeypatch.context() as m:
-            alone_rows = record_target_rows(pipe, m)
+        with recorded_target_rows(pipe) as recorded:
             pipe.generate(prompt, max_new_tokens=24, use_draft=False, ignore_eos=True)
-        with monkeypatch.context() as m:
-            spec_rows = record_target_rows(pipe, m)
+        alone_rows = one_row_each(recorded)
+        with recorded_target_rows(pipe) as recorded:
             pipe.generate(prompt, max_new_tokens=24, gamma=4, schedule="fixed", ignore_eos=True)
+        spec_rows = one_row_each(recorded)
         differing += sum(alone_rows[n] != spec_rows[n] for n in set(alone_rows) & set(spec_rows))
     assert differing > 0
 
