@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from edgespec.config import is_int
@@ -65,8 +65,7 @@ class Manifest:
 
     ``draft`` None (null in the file): a target-only package, decoded with n-gram drafting
     (runtime/drafters.py) or the target alone. ``chat_template``: the file holding the target
-    tokenizer's Jinja chat template, None when it had none (and in packages from before
-    templates were carried); ``special_tokens``: the tokenizer's special token strings by name
+    tokenizer's Jinja chat template, None when it had none; ``special_tokens``: the tokenizer's special token strings by name
     (bos_token, eos_token, ...), which templates use.
     """
 
@@ -79,8 +78,7 @@ class Manifest:
     pad_token_id: int | None
     add_bos_token: bool
     tokenizer: str = TOKENIZER_NAME
-    # the tokenizer's size and vocabulary hash (runtime/package_checks.py), checked at load;
-    # None in packages from before it was written
+    # the tokenizer's size and vocabulary hash (runtime/package_checks.py), checked at load
     tokenizer_fingerprint: dict | None = None
     chat_template: str | None = None
     special_tokens: dict = field(default_factory=dict)
@@ -179,8 +177,8 @@ class Manifest:
 
 
 # The checks Manifest.read makes, one per field: (what the field must be, test of a value).
-# Optional fields (those with a default) may be absent: packages from older exporters lack
-# ``stored`` and ``validation``.
+# Export writes every field, so none may be absent from a file (there is one format, and no
+# released package predates a field); the dataclasses' defaults serve code that builds one.
 Check = tuple[str, Callable[[object], bool]]
 
 
@@ -231,9 +229,9 @@ MANIFEST_FIELDS: dict[str, Check] = {
     "pad_token_id": _TOKEN_ID,
     "add_bos_token": ("true or false", lambda v: isinstance(v, bool)),
     "tokenizer": _PATH,
-    "tokenizer_fingerprint": ("null or a JSON object: size (an integer), sha256 (a string)",
-                              lambda v: v is None or (isinstance(v, dict) and is_int(v.get("size"))
-                                                      and isinstance(v.get("sha256"), str))),
+    "tokenizer_fingerprint": ("a JSON object: size (an integer), sha256 (a string)",
+                              lambda v: isinstance(v, dict) and is_int(v.get("size"))
+                              and isinstance(v.get("sha256"), str)),
     "chat_template": ("null or a path inside the package folder",
                       lambda v: v is None or _PATH[1](v)),
     "generation": ("a JSON object of sampling settings (temperature, top_k, top_p)",
@@ -262,8 +260,8 @@ def _valid_sampling(settings: dict) -> bool:
 
 def _check_fields(path: Path, raw: dict, checks: dict[str, Check], kind: type,
                   prefix: str = "") -> None:
-    """Refuse the first field of ``raw`` that is unknown, missing or fails its check;
-    ``kind``'s dataclass fields tell which may be absent."""
+    """Refuse the first field of ``raw`` that is unknown, missing or fails its check
+    (``kind``'s dataclass fields are the ones it must have)."""
     for name in raw:
         if name not in checks:
             raise ManifestError(
@@ -272,9 +270,7 @@ def _check_fields(path: Path, raw: dict, checks: dict[str, Check], kind: type,
             )
     for f in fields(kind):
         if f.name not in raw:
-            if f.default is MISSING and f.default_factory is MISSING:
-                raise ManifestError(f"{path}: field {prefix}{f.name} is missing; re-export the pair")
-            continue
+            raise ManifestError(f"{path}: field {prefix}{f.name} is missing; re-export the pair")
         what, ok = checks[f.name]
         if not ok(raw[f.name]):
             _refuse(path, prefix + f.name, raw[f.name], what)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 
@@ -142,13 +142,13 @@ def test_real_packages_still_read(packages):
         assert manifest.target.graph in ("optimum", "fused")
 
 
-def test_packages_from_before_stored_and_validation_still_read(packages, tmp_path):
+@pytest.mark.parametrize("field", ["target.stored", "draft.validation", "chat_template"])
+def test_a_field_with_a_default_is_still_required_in_a_file(packages, tmp_path, field):
+    """No released package predates a field: export writes them all, and load asks for all."""
     pkg = copy_package(packages, tmp_path, "llama")
-    for role in ("target", "draft"):
-        edit_manifest(pkg, deleter(f"{role}.stored"))
-        edit_manifest(pkg, deleter(f"{role}.validation"))
-    manifest = Manifest.read(pkg)
-    assert manifest.target.stored == {} and manifest.draft.validation == {}
+    edit_manifest(pkg, deleter(field))
+    with pytest.raises(ManifestError, match=f"field {field} is missing"):
+        Manifest.read(pkg)
 
 
 def test_every_field_has_a_check():
@@ -156,3 +156,10 @@ def test_every_field_has_a_check():
 
     assert set(SPEC_FIELDS) == {f.name for f in fields(ModelSpec)}
     assert set(MANIFEST_FIELDS) == {f.name for f in fields(Manifest)}
+
+
+def test_with_bos_is_the_one_bos_rule():
+    adds = replace(Manifest.read(demo_package()), add_bos_token=True, bos_token_id=1)
+    assert adds.with_bos([5, 6]) == [1, 5, 6]
+    assert replace(adds, add_bos_token=False).with_bos([5, 6]) == [5, 6]
+    assert replace(adds, bos_token_id=None).with_bos([5, 6]) == [5, 6]

@@ -45,10 +45,13 @@ def test_export_writes_the_tokenizer_fingerprint_and_load_accepts_it(packages):
     assert manifest.tokenizer_fingerprint["size"] == pipe.tokenizer.get_vocab_size()
 
 
-def test_a_package_without_a_fingerprint_still_loads(packages, tmp_path):
+@pytest.mark.parametrize("change", [lambda raw: raw.pop("tokenizer_fingerprint"),
+                                    lambda raw: raw.update(tokenizer_fingerprint=None)])
+def test_a_package_without_a_fingerprint_is_refused(packages, tmp_path, change):
     pkg = copy_package(packages, tmp_path)
-    edit_json(pkg / MANIFEST_NAME, lambda raw: raw.pop("tokenizer_fingerprint"))
-    assert edgespec.load(pkg).generate("def", max_new_tokens=2).token_ids
+    edit_json(pkg / MANIFEST_NAME, change)
+    with pytest.raises(ManifestError, match="tokenizer_fingerprint"):
+        edgespec.load(pkg)
 
 
 def test_a_tokenizer_with_permuted_ids_is_refused(packages, tmp_path):

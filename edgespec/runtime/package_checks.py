@@ -167,8 +167,8 @@ def tokenizer_fingerprint(tokenizer) -> dict:
 
 
 def check_tokenizer(path: Path, tokenizer, fingerprint: dict | None) -> None:
-    """The tokenizer is the one the package was exported with (when the manifest has its
-    fingerprint: packages from before have none), its normalizer does not multiply text, and
+    """The tokenizer is the one the package was exported with (``fingerprint`` None: not
+    checked, for a Manifest built in code; one read from a file always has it), its normalizer does not multiply text, and
     it encodes and decodes PROBE without a fault (a Rust panic is a BaseException)."""
     if fingerprint is not None:
         found = tokenizer_fingerprint(tokenizer)
