@@ -17,7 +17,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from edgespec.config import DRAFTERS, NO_DRAFTER, SCHEDULES, GenerationConfig, SamplingConfig
+from edgespec.config import (
+    DRAFTERS,
+    MAX_DRAFT_LENGTH,
+    NO_DRAFTER,
+    SCHEDULES,
+    GenerationConfig,
+    SamplingConfig,
+    is_int,
+)
 from edgespec.errors import ConfigError, EdgespecError
 from edgespec.runtime.drafters import resolve_drafter
 from edgespec.runtime.machine import describe, machine_info
@@ -47,6 +55,10 @@ class BenchConfig:
                               f"got {self.drafters}")
         if not self.gammas or min(self.gammas) < 1:
             raise ConfigError(f"gammas must be >= 1, got {self.gammas}")
+        for gamma in self.gammas:  # each a fixed run's k, and the adaptive schedules' largest
+            if not (is_int(gamma) and gamma <= MAX_DRAFT_LENGTH):
+                raise ConfigError(f"gamma must be an integer in 1..{MAX_DRAFT_LENGTH} (tokens "
+                                  f"drafted per round), got {gamma!r}")
         if not self.temperatures or min(self.temperatures) < 0:
             raise ConfigError(f"temperatures must be >= 0, got {self.temperatures}")
         if self.repeats < 1:
