@@ -48,7 +48,8 @@ def two_token_samples(pipe, sampling: SamplingConfig, n: int, prompt: str, **set
     fixed k = 2), with the tokens drafted and accepted over all of them."""
     samples, drafted, accepted = [], 0, 0
     for seed in range(n):
-        result = pipe.generate(prompt, max_new_tokens=3, gamma=2, schedule="fixed", seed=seed,
+        result = pipe.generate(prompt, max_new_tokens=3, draft_length=2, schedule="fixed",
+                               seed=seed,
                                temperature=sampling.temperature, top_k=sampling.top_k,
                                top_p=sampling.top_p, **settings)
         samples.append(tuple(result.token_ids[:2]))
@@ -59,9 +60,9 @@ def two_token_samples(pipe, sampling: SamplingConfig, n: int, prompt: str, **set
 def texts_by_schedule(pipe, prompt: str, **settings) -> dict[str, list[int]]:
     """Token ids of one generation per schedule that always drafts (fixed k = 1, 2, 4, 8 and
     the heuristic), same settings and seed; each is checked to have drafted."""
-    runs = {f"k={k}": pipe.generate(prompt, gamma=k, schedule="fixed", **settings)
+    runs = {f"k={k}": pipe.generate(prompt, draft_length=k, schedule="fixed", **settings)
             for k in (1, 2, 4, 8)}
-    runs["heuristic"] = pipe.generate(prompt, gamma=4, schedule="heuristic", **settings)
+    runs["heuristic"] = pipe.generate(prompt, draft_length=4, schedule="heuristic", **settings)
     assert all(r.stats.drafted > 0 for r in runs.values())
     return {name: r.token_ids for name, r in runs.items()}
 

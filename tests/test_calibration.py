@@ -105,7 +105,7 @@ def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
 
 def test_a_second_process_reads_the_costs_the_first_measured(monkeypatch, tmp_path):
     monkeypatch.setenv("EDGESPEC_CACHE_DIR", str(tmp_path))
-    settings = dict(max_new_tokens=8, schedule="adaptive", gamma=4, seed=0)
+    settings = dict(max_new_tokens=8, schedule="adaptive", draft_length=4, seed=0)
     first = edgespec.load(demo_package())
     measured = first.generate("def add(a, b):", **settings).stats
     assert measured.calibration == "measured" and measured.calibration_s > 0
@@ -127,6 +127,6 @@ def test_a_second_process_reads_the_costs_the_first_measured(monkeypatch, tmp_pa
 def test_without_the_cache_costs_are_measured_and_nothing_is_written(monkeypatch, tmp_path):
     monkeypatch.setenv("EDGESPEC_CACHE_DIR", str(tmp_path / "cache"))
     pipe = edgespec.load(demo_package(), calibration_cache=False)
-    stats = pipe.generate("x = 1", max_new_tokens=4, schedule="adaptive", gamma=2).stats
+    stats = pipe.generate("x = 1", max_new_tokens=4, schedule="adaptive", draft_length=2).stats
     assert stats.calibration == "measured"
     assert not (tmp_path / "cache").exists()

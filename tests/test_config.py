@@ -52,21 +52,25 @@ def test_make_config_refuses_the_same_settings(settings):
     refused(make_config, settings)
 
 
-def test_gamma_out_of_range_names_the_allowed_range():
+def test_draft_length_out_of_range_names_the_allowed_range():
+    with pytest.raises(EdgespecError, match=r"draft_length must be an integer in 1\.\.64"):
+        GenerationConfig(draft_length=100_000)
     with pytest.raises(EdgespecError, match=r"gamma must be an integer in 1\.\.64"):
-        GenerationConfig(gamma=100_000)
+        GenerationConfig(gamma=100_000)  # the former name, named as given
 
 
 def test_the_former_names_still_work_and_warn():
     with pytest.warns(DeprecationWarning, match="draft_length"):
         config = GenerationConfig(gamma=3)
     assert config.draft_length == config.gamma == 3
-    assert replace(config, gamma=5).draft_length == 5  # the former name wins, as given last
+    with pytest.warns(DeprecationWarning):
+        assert replace(config, gamma=5).draft_length == 5  # the former name wins, given last
     with pytest.warns(DeprecationWarning, match='drafter="none"'):
         alone = GenerationConfig(use_draft=False, drafter="ngram")
     assert alone.drafter == "none" and not alone.use_draft
-    assert GenerationConfig().use_draft and make_config(use_draft=False).drafter == "none"
-    assert make_config(gamma=2).draft_length == 2
+    with pytest.warns(DeprecationWarning):
+        assert GenerationConfig().use_draft and make_config(use_draft=False).drafter == "none"
+        assert make_config(gamma=2).draft_length == 2
 
 
 def test_unknown_settings_and_a_wrong_base_are_config_errors():
@@ -77,10 +81,10 @@ def test_unknown_settings_and_a_wrong_base_are_config_errors():
 
 
 def test_good_settings_of_other_numeric_types_pass():
-    config = GenerationConfig(max_new_tokens=np.int64(8), gamma=np.int32(64), seed=0,
+    config = GenerationConfig(max_new_tokens=np.int64(8), draft_length=np.int32(64), seed=0,
                               sampling=SamplingConfig(temperature=1, top_k=np.int64(5),
                                                       top_p=np.float32(0.5)))
-    assert config.gamma == 64 and config.sampling.temperature == 1
+    assert config.draft_length == 64 and config.sampling.temperature == 1
     assert make_config(stop=["a", "b"]).stop == ("a", "b")
     assert make_config(seed=2**40).seed == 2**40
 

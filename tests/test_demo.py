@@ -45,8 +45,8 @@ def test_greedy_speculative_equals_target_only_with_high_acceptance(demo):
     prompts = read_prompts(demo_package() / PROMPTS_NAME)[:4]
     accepted = drafted = 0
     for prompt in prompts:
-        baseline = demo.generate(prompt, max_new_tokens=48, temperature=0, use_draft=False)
-        result = demo.generate(prompt, max_new_tokens=48, temperature=0, gamma=4,
+        baseline = demo.generate(prompt, max_new_tokens=48, temperature=0, drafter="none")
+        result = demo.generate(prompt, max_new_tokens=48, temperature=0, draft_length=4,
                                schedule="fixed")
         assert result.token_ids == baseline.token_ids, prompt
         assert result.stats.drafted > 0, prompt

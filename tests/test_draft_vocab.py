@@ -66,9 +66,9 @@ def test_the_draft_scores_the_subset_columns(subset_package):
 def test_greedy_output_equals_target_only_with_a_subset_draft(subset_package):
     pipe = edgespec.load(subset_package)
     for prompt in PROMPTS:
-        alone = pipe.generate(prompt, max_new_tokens=32, use_draft=False)
+        alone = pipe.generate(prompt, max_new_tokens=32, drafter="none")
         for k in (1, 4):
-            result = pipe.generate(prompt, max_new_tokens=32, gamma=k, schedule="fixed")
+            result = pipe.generate(prompt, max_new_tokens=32, draft_length=k, schedule="fixed")
             assert result.stats.drafted > 0
             assert result.token_ids == alone.token_ids, (prompt, k)
 

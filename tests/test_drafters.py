@@ -100,7 +100,8 @@ def test_drafter_settings_are_validated():
         resolve_drafter(GenerationConfig(drafter="model"), has_draft=False)
     assert resolve_drafter(GenerationConfig(), has_draft=False) == "ngram"
     assert resolve_drafter(GenerationConfig(), has_draft=True) == "model"
-    assert resolve_drafter(GenerationConfig(drafter="ngram", use_draft=False), True) == "none"
+    with pytest.warns(DeprecationWarning):  # the former way to say drafter="none"
+        assert resolve_drafter(GenerationConfig(drafter="ngram", use_draft=False), True) == "none"
 
 
 def test_a_drafter_without_a_name_is_refused_where_it_is_defined():
@@ -201,7 +202,8 @@ def first_tokens_pvalue(sampling_config: SamplingConfig, k: int) -> tuple[float,
     expected = exact_joint(target, sampling_config, PROMPT, vocab=4, length=3)
     samples, drafted, accepted = [], 0, 0
     for seed in range(N_LOOP):
-        config = GenerationConfig(max_new_tokens=3, sampling=sampling_config, seed=seed, gamma=k,
+        config = GenerationConfig(max_new_tokens=3, sampling=sampling_config, seed=seed,
+                                  draft_length=k,
                                   drafter="ngram")
         text, stats = ngram_decode(config, FixedSchedule(k), vocab=4)
         samples.append(tuple(text))

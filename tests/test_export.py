@@ -343,8 +343,8 @@ def test_reduced_precision_exports_validate_and_stay_exact(checkpoints, tmp_path
     assert manifest.target.dtype == ("float16" if variant == "fp16" else "float32")
     pipe = edgespec.load(tmp_path / "p")
     for prompt in ("def add(a, b):", "The quick brown"):
-        baseline = pipe.generate(prompt, max_new_tokens=32, use_draft=False).token_ids
-        assert pipe.generate(prompt, max_new_tokens=32, gamma=3).token_ids == baseline
+        baseline = pipe.generate(prompt, max_new_tokens=32, drafter="none").token_ids
+        assert pipe.generate(prompt, max_new_tokens=32, draft_length=3).token_ids == baseline
 
 
 def test_int4_packages_quantize_the_embedding_and_lm_head(checkpoints, tmp_path):
@@ -446,12 +446,12 @@ def test_a_quantized_draft_beside_an_exact_target_keeps_greedy_output(checkpoint
     assert manifest.draft.validation["variant"] == "int4"
     pipe = edgespec.load(tmp_path / "p")
     for prompt in ("def add(a, b):", "The quick brown"):
-        baseline = pipe.generate(prompt, max_new_tokens=32, use_draft=False).token_ids
-        result = pipe.generate(prompt, max_new_tokens=32, gamma=4, schedule="fixed")
+        baseline = pipe.generate(prompt, max_new_tokens=32, drafter="none").token_ids
+        result = pipe.generate(prompt, max_new_tokens=32, draft_length=4, schedule="fixed")
         assert result.token_ids == baseline
         assert result.stats.drafted > 0
         # the int8-compute draft's proposals depend on the prefix alone: same seed, same text
-        texts = {tuple(pipe.generate(prompt, max_new_tokens=32, gamma=k, schedule="fixed",
+        texts = {tuple(pipe.generate(prompt, max_new_tokens=32, draft_length=k, schedule="fixed",
                                      temperature=1.0, seed=3).token_ids) for k in (1, 3, 6)}
         assert len(texts) == 1
     with pytest.raises(ExportError, match="draft_quantize must be None, \"same\" or one of"):
@@ -499,5 +499,5 @@ def test_a_tied_int4_table_is_stored_once_and_read_by_both_ends(tmp_path):
     assert model.ir_version == 8  # no int4-typed tensor left: the graph loads where IR 8 does
     assert manifest.target.validation["mean_tv"] <= manifest.target.validation["max_mean_tv"]
     pipe = edgespec.load(tmp_path / "p")
-    baseline = pipe.generate("def add(a, b):", max_new_tokens=24, use_draft=False).token_ids
-    assert pipe.generate("def add(a, b):", max_new_tokens=24, gamma=3).token_ids == baseline
+    baseline = pipe.generate("def add(a, b):", max_new_tokens=24, drafter="none").token_ids
+    assert pipe.generate("def add(a, b):", max_new_tokens=24, draft_length=3).token_ids == baseline

@@ -383,7 +383,8 @@ def test_the_nucleus_rule_is_strict_and_keeps_ties():
 @pytest.mark.parametrize("setting", SAMPLED)
 def test_the_text_depends_on_the_seed_not_on_the_draft_lengths(setting):
     for seed in range(4):
-        config = GenerationConfig(max_new_tokens=24, sampling=SAMPLED[setting], seed=seed, gamma=4)
+        config = GenerationConfig(max_new_tokens=24, sampling=SAMPLED[setting], seed=seed,
+                                  draft_length=4)
         texts = {
             name: fake_decode(*fake_pair(), config, schedule)
             for name, schedule in {
@@ -439,7 +440,8 @@ def first_tokens_pvalue(n_samples: int, sampling_config: SamplingConfig, k: int,
     expected = exact_joint(target, sampling_config, prompt, vocab=4, length=3)
     samples = []
     for seed in range(n_samples):
-        config = GenerationConfig(max_new_tokens=3, sampling=sampling_config, seed=seed, gamma=k)
+        config = GenerationConfig(max_new_tokens=3, sampling=sampling_config, seed=seed,
+                                  draft_length=k)
         schedule = RandomSchedule(seed) if random_k else FixedSchedule(k)
         samples.append(tuple(fake_decode(target, draft, config, schedule, prompt)))
     return fit_pvalue(samples, expected)

@@ -25,9 +25,10 @@ def cuda_pipe(packages):
 def test_cuda_greedy_equals_cpu_target_only(cuda_pipe, packages):
     cpu = edgespec.load(packages["llama_noisy"], provider="cpu")
     for prompt in ("def add(a, b):", "The quick brown"):
-        on_gpu = cuda_pipe.generate(prompt, max_new_tokens=32, gamma=4)
-        assert on_gpu.token_ids == cuda_pipe.generate(prompt, max_new_tokens=32, use_draft=False).token_ids
-        assert on_gpu.token_ids == cpu.generate(prompt, max_new_tokens=32, use_draft=False).token_ids
+        on_gpu = cuda_pipe.generate(prompt, max_new_tokens=32, draft_length=4)
+        alone = cuda_pipe.generate(prompt, max_new_tokens=32, drafter="none")
+        assert on_gpu.token_ids == alone.token_ids
+        assert on_gpu.token_ids == cpu.generate(prompt, max_new_tokens=32, drafter="none").token_ids
 
 
 def test_the_in_place_cache_stays_on_the_device(cuda_pipe):
@@ -51,5 +52,6 @@ def test_a_cache_that_grows_stays_on_the_device_with_the_same_logits(cuda_pipe):
 def test_draft_on_cpu_next_to_a_gpu_target(packages):
     pipe = edgespec.load(packages["llama_noisy"], provider="cuda", draft_provider="cpu")
     assert pipe.draft.providers == ["CPUExecutionProvider"]
-    result = pipe.generate("def add(a, b):", max_new_tokens=16, gamma=3)
-    assert result.token_ids == pipe.generate("def add(a, b):", max_new_tokens=16, use_draft=False).token_ids
+    result = pipe.generate("def add(a, b):", max_new_tokens=16, draft_length=3)
+    alone = pipe.generate("def add(a, b):", max_new_tokens=16, drafter="none")
+    assert result.token_ids == alone.token_ids

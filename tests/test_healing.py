@@ -96,11 +96,11 @@ def test_greedy_speculative_equals_target_only_with_healing(pipes, pair):
     pipe = pipes[pair]
     healed = 0
     for prompt in HEAL_PROMPTS + PROMPTS:
-        baseline = pipe.generate(prompt, max_new_tokens=32, use_draft=False)
+        baseline = pipe.generate(prompt, max_new_tokens=32, drafter="none")
         healed += bool(baseline.stats.healed)
-        runs = {f"k={k}": dict(gamma=k, schedule="fixed") for k in (1, 3, 6)}
-        runs["adaptive"] = dict(gamma=6, schedule="adaptive")
-        runs["ngram"] = dict(gamma=4, drafter="ngram", schedule="fixed")
+        runs = {f"k={k}": dict(draft_length=k, schedule="fixed") for k in (1, 3, 6)}
+        runs["adaptive"] = dict(draft_length=6, schedule="adaptive")
+        runs["ngram"] = dict(draft_length=4, drafter="ngram", schedule="fixed")
         for name, setting in runs.items():
             result = pipe.generate(prompt, max_new_tokens=32, **setting)
             assert result.token_ids == baseline.token_ids, (prompt, name)
@@ -113,9 +113,10 @@ def test_greedy_speculative_equals_target_only_with_healing(pipes, pair):
 def test_greedy_identity_on_the_demo_with_healing(demo):
     healed = 0
     for prompt in ["def fibonacci(n):", "def quicksort(items):", "for i in range(10):\n", "x = "]:
-        baseline = demo.generate(prompt, max_new_tokens=24, use_draft=False)
+        baseline = demo.generate(prompt, max_new_tokens=24, drafter="none")
         healed += bool(baseline.stats.healed)
-        for setting in (dict(gamma=3, schedule="fixed"), dict(gamma=8), dict(drafter="ngram")):
+        for setting in (dict(draft_length=3, schedule="fixed"), dict(draft_length=8),
+                        dict(drafter="ngram")):
             assert demo.generate(prompt, max_new_tokens=24, **setting).token_ids == (
                 baseline.token_ids), (prompt, setting)
     assert healed >= 2
@@ -132,7 +133,7 @@ def test_a_seed_gives_the_same_text_whatever_the_draft_lengths_with_healing(pipe
         assert all(t == texts["k=1"] for t in texts.values()), (prompt, seed, texts)
         # the healed position is drawn from the target alone with u[0]: target-only draws the
         # same first token from the same seed (later positions differ: no draft to test there)
-        alone = pipe.generate(prompt, use_draft=False, **settings_)
+        alone = pipe.generate(prompt, drafter="none", **settings_)
         assert alone.token_ids[0] == texts["k=1"][0]
 
 
@@ -183,13 +184,14 @@ def first_tokens(pipe, sampling: SamplingConfig, n: int, **settings_) -> list[in
             for seed in range(n)]
 
 
-@pytest.mark.parametrize("setting, use_draft",
-                         [("T=1", True), ("T=1", False), ("top-k 5", True), ("top-p 0.6", True)])
-def test_the_first_token_follows_the_restricted_target_distribution(pipes, setting, use_draft):
+@pytest.mark.parametrize("setting, drafter",
+                         [("T=1", "auto"), ("T=1", "none"), ("top-k 5", "auto"),
+                          ("top-p 0.6", "auto")])
+def test_the_first_token_follows_the_restricted_target_distribution(pipes, setting, drafter):
     pipe, sampling = pipes["llama_noisy"], SETTINGS[setting]
     expected = exact_first_token(pipe, sampling)
     assert len(expected) > 1 and max(expected.values()) < 0.9
-    samples = first_tokens(pipe, sampling, 2000, use_draft=use_draft, gamma=2, schedule="fixed")
+    samples = first_tokens(pipe, sampling, 2000, drafter=drafter, draft_length=2, schedule="fixed")
     assert fit_pvalue(samples, expected) > ALPHA
 
 
@@ -216,7 +218,7 @@ def test_the_distribution_check_rejects_a_wrong_healing_step(pipes, monkeypatch,
     monkeypatch.setattr(speculative, "constrained_step", wrong)
     # the text check would refuse a first token that does not regrow the removed text
     monkeypatch.setattr(text, "Unprefix", lambda prefix: lambda piece: piece)
-    samples = first_tokens(pipe, sampling, 2000, gamma=2, schedule="fixed")
+    samples = first_tokens(pipe, sampling, 2000, draft_length=2, schedule="fixed")
     assert fit_pvalue(samples, exact_first_token(pipe, sampling)) < 1e-6
 
 
@@ -229,7 +231,7 @@ def test_healing_off_is_the_loop_without_a_constrained_step(pipes):
     pipe = pipes["llama_noisy"]
     for prompt in HEAL_PROMPTS:
         ids = pipe.encode(prompt)
-        config = GenerationConfig(max_new_tokens=24, gamma=3, schedule="fixed")
+        config = GenerationConfig(max_new_tokens=24, draft_length=3, schedule="fixed")
         stats = GenerationStats(speculative=True)
         drafter = make_drafter("model", pipe.draft, config, stats,
                                speculative.request_positions(len(ids), config))
@@ -262,15 +264,16 @@ def test_a_last_token_nothing_extends_is_not_healed_and_costs_no_step(pipes):
         for p in ("x = " + t,) if pipe.encode(p)[-1] == i
     )
     assert pipe.heal(prompt, pipe.encode(prompt)) is None
-    on = pipe.generate(prompt, max_new_tokens=8, gamma=2, schedule="fixed")
-    off = pipe.generate(prompt, max_new_tokens=8, gamma=2, schedule="fixed", token_healing=False)
+    on = pipe.generate(prompt, max_new_tokens=8, draft_length=2, schedule="fixed")
+    off = pipe.generate(prompt, max_new_tokens=8, draft_length=2, schedule="fixed",
+                        token_healing=False)
     assert on.stats.healed == "" and on.token_ids == off.token_ids
     assert on.stats.target_calls == off.stats.target_calls
 
 
 def test_healing_costs_one_target_step_and_no_prefill_of_its_own(pipes):
     pipe = pipes["llama_noisy"]
-    on = pipe.generate("The quick brown ", max_new_tokens=1, gamma=3, schedule="fixed")
+    on = pipe.generate("The quick brown ", max_new_tokens=1, draft_length=3, schedule="fixed")
     assert on.stats.healed == " " and on.stats.target_calls == 1 and on.stats.drafted == 0
     assert on.stats.draft_lengths == {0: 1}
 

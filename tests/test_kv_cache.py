@@ -184,10 +184,12 @@ def spy_on_new_cache(monkeypatch, positions=None) -> list:
     return caches
 
 
-@pytest.mark.parametrize("settings", [{"gamma": 4, "schedule": "fixed"},
-                                      {"gamma": 3, "schedule": "heuristic"},
-                                      {"gamma": 4, "schedule": "fixed", "temperature": 0.8, "seed": 3},
-                                      {"gamma": 8, "schedule": "adaptive"}, {"use_draft": False}])
+@pytest.mark.parametrize("settings", [{"draft_length": 4, "schedule": "fixed"},
+                                      {"draft_length": 3, "schedule": "heuristic"},
+                                      {"draft_length": 4, "schedule": "fixed", "temperature": 0.8,
+                                       "seed": 3},
+                                      {"draft_length": 8, "schedule": "adaptive"},
+                                      {"drafter": "none"}])
 def test_generation_is_the_same_from_a_tiny_cache_that_grows(packages, monkeypatch, settings):
     pipe = edgespec.load(packages["llama_noisy"])
     pipe.step_costs(8)  # the adaptive schedule's timing runs make caches of their own
@@ -204,8 +206,8 @@ def test_decoding_sizes_the_caches_to_the_request(packages, monkeypatch):
     pipe = edgespec.load(packages["llama_noisy"])
     caches = spy_on_new_cache(monkeypatch)
     prompt = "def add(a, b):"
-    pipe.generate(prompt, max_new_tokens=10, gamma=3, schedule="fixed")
+    pipe.generate(prompt, max_new_tokens=10, draft_length=3, schedule="fixed")
     expected = len(pipe.encode(prompt)) + 10 + 3 + 1  # prompt, new tokens, one round's drafts
     assert [c.capacity for c in caches] == [expected, expected]  # target and draft
-    pipe.generate(prompt, max_new_tokens=500, gamma=3, schedule="fixed")
+    pipe.generate(prompt, max_new_tokens=500, draft_length=3, schedule="fixed")
     assert caches[-1].capacity == pipe.manifest.max_positions  # capped at the context

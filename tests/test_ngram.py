@@ -53,13 +53,13 @@ def test_greedy_ngram_equals_target_only_on_every_prompt(pipes, pair):
     pipe = pipes[pair]
     drafted = accepted = 0
     for prompt in ALL_PROMPTS:
-        baseline = pipe.generate(prompt, max_new_tokens=48, use_draft=False).token_ids
+        baseline = pipe.generate(prompt, max_new_tokens=48, drafter="none").token_ids
         for gamma in (1, 2, 3, 4, 6, 8):
-            result = pipe.generate(prompt, max_new_tokens=48, gamma=gamma, drafter="ngram")
+            result = pipe.generate(prompt, max_new_tokens=48, draft_length=gamma, drafter="ngram")
             assert result.token_ids == baseline, (prompt, gamma)
             drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
         for schedule in ("heuristic", "adaptive"):
-            result = pipe.generate(prompt, max_new_tokens=48, gamma=8, schedule=schedule,
+            result = pipe.generate(prompt, max_new_tokens=48, draft_length=8, schedule=schedule,
                                    drafter="ngram")
             assert result.token_ids == baseline, (prompt, schedule)
             assert sum(result.stats.draft_lengths.values()) == result.stats.target_calls
@@ -69,10 +69,10 @@ def test_greedy_ngram_equals_target_only_on_every_prompt(pipes, pair):
 def test_greedy_ngram_output_equals_target_only_on_the_target_only_package(target_only, pipes):
     pipe = edgespec.load(target_only)
     for prompt in ALL_PROMPTS:
-        result = pipe.generate(prompt, max_new_tokens=32, gamma=4)  # auto: ngram here
+        result = pipe.generate(prompt, max_new_tokens=32, draft_length=4)  # auto: ngram here
         assert result.stats.drafter == "ngram"
         assert result.token_ids == pipes["llama"].generate(prompt, max_new_tokens=32,
-                                                           use_draft=False).token_ids
+                                                           drafter="none").token_ids
 
 
 @pytest.mark.parametrize("setting", SAMPLED)
@@ -131,7 +131,7 @@ def test_a_target_only_package_has_no_draft_in_its_manifest(target_only):
     pipe = edgespec.load(target_only)
     assert pipe.draft is None and pipe.manifest.draft is None
     assert set(pipe.session_configs) == {"target"}
-    result = pipe.generate("a b", max_new_tokens=4, use_draft=False)
+    result = pipe.generate("a b", max_new_tokens=4, drafter="none")
     assert result.stats.drafter == "none" and result.stats.drafted == 0
 
 
@@ -161,7 +161,7 @@ def test_models_list_and_export_name_a_target_only_package(target_only, checkpoi
 
 def test_adaptive_ngram_works_on_a_target_only_package(target_only):
     pipe = edgespec.load(target_only)
-    result = pipe.generate(COPY_PROMPTS[0], max_new_tokens=24, gamma=8, schedule="adaptive")
+    result = pipe.generate(COPY_PROMPTS[0], max_new_tokens=24, draft_length=8, schedule="adaptive")
     assert result.stats.drafter == "ngram" and len(result.token_ids) > 0
     costs = pipe.step_costs(8)
     assert costs.draft_step_ms == 0.0 and len(costs.target_ms) == 9

@@ -33,7 +33,7 @@ for path in sys.argv[1:]:
     pipe = edgespec.load(path, provider="cpu")
     out[path] = [pipe.generate(p, max_new_tokens=24, **s).token_ids
                  for p in ("def fibonacci(n):", "The quick brown")
-                 for s in ({"gamma": 4}, {"use_draft": False})]
+                 for s in ({"draft_length": 4}, {"drafter": "none"})]
 print(json.dumps(out))
 """
 

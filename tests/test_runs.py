@@ -102,10 +102,10 @@ def test_greedy_speculative_and_target_only_see_the_same_rows(int4_package, pack
     for prompt in PROMPTS:
         for k in (1, 3, 4):
             with recorded_target_rows(pipe) as recorded:
-                alone = pipe.generate(prompt, max_new_tokens=24, use_draft=False, ignore_eos=True)
+                alone = pipe.generate(prompt, max_new_tokens=24, drafter="none", ignore_eos=True)
             alone_rows = one_row_each(recorded)
             with recorded_target_rows(pipe) as recorded:
-                result = pipe.generate(prompt, max_new_tokens=24, gamma=k, schedule="fixed",
+                result = pipe.generate(prompt, max_new_tokens=24, draft_length=k, schedule="fixed",
                                        ignore_eos=True)
             spec_rows = one_row_each(recorded)
             assert result.stats.drafted > 0
@@ -123,10 +123,11 @@ def test_one_token_runs_are_what_differs(packages):
     differing = 0
     for prompt in PROMPTS:
         with recorded_target_rows(pipe) as recorded:
-            pipe.generate(prompt, max_new_tokens=24, use_draft=False, ignore_eos=True)
+            pipe.generate(prompt, max_new_tokens=24, drafter="none", ignore_eos=True)
         alone_rows = one_row_each(recorded)
         with recorded_target_rows(pipe) as recorded:
-            pipe.generate(prompt, max_new_tokens=24, gamma=4, schedule="fixed", ignore_eos=True)
+            pipe.generate(prompt, max_new_tokens=24, draft_length=4, schedule="fixed",
+                          ignore_eos=True)
         spec_rows = one_row_each(recorded)
         differing += sum(alone_rows[n] != spec_rows[n] for n in set(alone_rows) & set(spec_rows))
     assert differing > 0

@@ -29,9 +29,9 @@ def pipes(packages):
 def test_greedy_speculative_equals_target_only(pipes, pair):
     pipe = pipes[pair]
     for prompt in PROMPTS:
-        baseline = pipe.generate(prompt, max_new_tokens=48, use_draft=False)
+        baseline = pipe.generate(prompt, max_new_tokens=48, drafter="none")
         for gamma in range(1, 7):
-            result = pipe.generate(prompt, max_new_tokens=48, gamma=gamma, schedule="fixed")
+            result = pipe.generate(prompt, max_new_tokens=48, draft_length=gamma, schedule="fixed")
             assert result.token_ids == baseline.token_ids, (prompt, gamma)
             assert result.text == baseline.text
 
@@ -41,15 +41,16 @@ def test_greedy_speculative_equals_target_only(pipes, pair):
 def test_greedy_identity_holds_whatever_the_schedule(pipes, pair, schedule):
     pipe = pipes[pair]
     for prompt in PROMPTS:
-        baseline = pipe.generate(prompt, max_new_tokens=48, use_draft=False)
-        result = pipe.generate(prompt, max_new_tokens=48, gamma=6, schedule=schedule)
+        baseline = pipe.generate(prompt, max_new_tokens=48, drafter="none")
+        result = pipe.generate(prompt, max_new_tokens=48, draft_length=6, schedule=schedule)
         assert result.token_ids == baseline.token_ids, prompt
         assert sum(result.stats.draft_lengths.values()) == result.stats.target_calls
 
 
 def test_greedy_identity_exercises_both_accept_and_reject(pipes):
     """The noisy draft agrees only sometimes, so the identity above covered partial rounds."""
-    stats = [pipes["llama_noisy"].generate(p, max_new_tokens=48, gamma=4, schedule="fixed").stats
+    stats = [pipes["llama_noisy"].generate(p, max_new_tokens=48, draft_length=4,
+                                           schedule="fixed").stats
              for p in PROMPTS]
     rate = sum(s.accepted for s in stats) / sum(s.drafted for s in stats)
     assert 0.1 < rate < 0.95
@@ -59,7 +60,7 @@ def test_greedy_identity_exercises_both_accept_and_reject(pipes):
 @pytest.mark.parametrize("gamma", [1, 3, 6])
 def test_draft_equal_to_target_accepts_everything_at_temperature_zero(pipes, gamma):
     for prompt in PROMPTS:
-        stats = pipes["llama_self"].generate(prompt, max_new_tokens=40, gamma=gamma,
+        stats = pipes["llama_self"].generate(prompt, max_new_tokens=40, draft_length=gamma,
                                              schedule="fixed").stats
         assert stats.accepted == stats.drafted
         assert stats.per_position_acceptance == [1.0] * len(stats.per_position_acceptance)
@@ -75,8 +76,8 @@ def test_a_wrong_acceptance_rule_breaks_greedy_identity(pipes, monkeypatch):
     )
     pipe = pipes["llama"]
     differs = [
-        pipe.generate(p, max_new_tokens=24, gamma=3, schedule="fixed").token_ids
-        != pipe.generate(p, max_new_tokens=24, use_draft=False).token_ids
+        pipe.generate(p, max_new_tokens=24, draft_length=3, schedule="fixed").token_ids
+        != pipe.generate(p, max_new_tokens=24, drafter="none").token_ids
         for p in PROMPTS
     ]
     assert any(differs)
@@ -142,7 +143,7 @@ def test_speculative_sampling_matches_the_target_distribution(words):
 
 def test_target_only_sampling_matches_the_same_distribution(words):
     top_k = SamplingConfig(temperature=0.8, top_k=3)
-    samples, drafted, _ = two_token_samples(words, top_k, 1500, PROMPT, use_draft=False)
+    samples, drafted, _ = two_token_samples(words, top_k, 1500, PROMPT, drafter="none")
     assert drafted == 0
     assert fit_pvalue(samples, exact_two_token_distribution(words, top_k, PROMPT)) > ALPHA
 
@@ -165,7 +166,8 @@ def test_the_distribution_check_rejects_a_wrong_loop(words, monkeypatch):
 
 def test_stops_at_max_new_tokens_and_counts_tokens(pipes):
     for gamma, n in itertools.product([1, 4], [1, 2, 7]):
-        result = pipes["llama_self"].generate("The quick brown", max_new_tokens=n, gamma=gamma,
+        result = pipes["llama_self"].generate("The quick brown", max_new_tokens=n,
+                                              draft_length=gamma,
                                               schedule="fixed")
         assert len(result.token_ids) <= n
         if result.stats.finish_reason == "max_new_tokens":
@@ -179,7 +181,7 @@ def test_stops_at_the_context_limit(pipes):
     prompt_ids = pipe.encode("x " * 200)[: limit - 5]
     prompt = pipe.tokenizer.decode(prompt_ids)
     assert len(pipe.encode(prompt)) == limit - 5
-    result = pipe.generate(prompt, max_new_tokens=50, gamma=4, schedule="fixed")
+    result = pipe.generate(prompt, max_new_tokens=50, draft_length=4, schedule="fixed")
     assert len(result.token_ids) <= 5
     if not result.stats.finish_reason == "eos":
         assert result.stats.finish_reason == "context_limit"
@@ -193,10 +195,10 @@ def test_the_window_ends_on_the_same_token_with_or_without_the_draft(pipes, pair
     limit = pipe.manifest.max_positions
     for left in (1, 2, 3, 4, 6):
         prompt = pipe.tokenizer.decode(pipe.encode("x " * 200)[: limit - left])
-        baseline = pipe.generate(prompt, max_new_tokens=50, use_draft=False, ignore_eos=True)
+        baseline = pipe.generate(prompt, max_new_tokens=50, drafter="none", ignore_eos=True)
         assert len(baseline.token_ids) == left
         for gamma in (1, 3, 5):
-            result = pipe.generate(prompt, max_new_tokens=50, gamma=gamma, ignore_eos=True,
+            result = pipe.generate(prompt, max_new_tokens=50, draft_length=gamma, ignore_eos=True,
                                    schedule="fixed")
             assert result.token_ids == baseline.token_ids, (left, gamma)
             assert result.stats.finish_reason == "context_limit"
@@ -240,7 +242,7 @@ def test_stop_strings_cut_the_text(pipes):
 
 def test_a_stop_string_ends_the_ids_at_the_token_completing_it(pipes):
     pipe = pipes["llama"]
-    settings = {"max_new_tokens": 40, "gamma": 8, "schedule": "fixed", "token_healing": False}
+    settings = {"max_new_tokens": 40, "draft_length": 8, "schedule": "fixed", "token_healing": False}
     full = pipe.generate("def add(a, b):", **settings)
     for start in (3, 9, 15):
         stop = full.text[start : start + 2]
@@ -255,9 +257,10 @@ def test_a_stop_string_ends_the_ids_at_the_token_completing_it(pipes):
 
 def test_stream_yields_the_text_in_pieces(pipes):
     pipe = pipes["llama_noisy"]
-    stream = pipe.stream("Grüße aus", max_new_tokens=40, gamma=3)
+    stream = pipe.stream("Grüße aus", max_new_tokens=40, draft_length=3)
     pieces = list(stream)
     assert "".join(pieces) == stream.result.text
-    assert stream.result.text == pipe.generate("Grüße aus", max_new_tokens=40, gamma=3).text
+    assert stream.result.text == pipe.generate("Grüße aus", max_new_tokens=40,
+                                               draft_length=3).text
     assert all(pieces)
 
