@@ -65,10 +65,10 @@ def main() -> None:
                 seed = 1000 * repeat + i
                 settings = dict(sampling=SamplingConfig(temperature), seed=seed, ignore_eos=True)
                 base = pipes["fp32"].generate(
-                    prompt, GenerationConfig(args.tokens, use_draft=False, **settings)).stats
+                    prompt, GenerationConfig(args.tokens, drafter="none", **settings)).stats
                 for k in gammas:
                     for name, pipe in pipes.items():
-                        spec = pipe.generate(prompt, GenerationConfig(args.tokens, gamma=k, schedule="fixed",
+                        spec = pipe.generate(prompt, GenerationConfig(args.tokens, draft_length=k, schedule="fixed",
                                                                       **settings)).stats
                         pairs[name, k].append((base, spec))
         for (name, k), runs in pairs.items():

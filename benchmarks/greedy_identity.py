@@ -37,8 +37,8 @@ def compare(pipe, prompts: list[str], new_tokens: int, gamma: int) -> dict:
     max_diff, margins = 0.0, []
     for prompt in prompts:
         common = dict(prompt=prompt, max_new_tokens=new_tokens, ignore_eos=True)
-        alone, alone_rows = recorded(pipe, use_draft=False, **common)
-        spec, spec_rows = recorded(pipe, gamma=gamma, schedule="fixed", **common)
+        alone, alone_rows = recorded(pipe, drafter="none", **common)
+        spec, spec_rows = recorded(pipe, draft_length=gamma, schedule="fixed", **common)
         differing_texts += alone != spec
         for key in alone_rows.keys() & spec_rows.keys():
             a, b = alone_rows[key], spec_rows[key]

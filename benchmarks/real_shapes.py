@@ -497,8 +497,8 @@ def sampling_costs(pipe, tokens: int, gamma: int, settings: dict) -> dict:
     """The loop's NumPy time (GenerationStats.sampling_s): per round drafting ``gamma``, and
     per token of target-only decoding; so it measures whatever sampler the loop uses."""
     common = dict(max_new_tokens=tokens, ignore_eos=True, seed=0, **settings)
-    spec = pipe.generate(PROMPT, gamma=gamma, schedule="fixed", **common).stats
-    base = pipe.generate(PROMPT, use_draft=False, **common).stats
+    spec = pipe.generate(PROMPT, draft_length=gamma, schedule="fixed", **common).stats
+    base = pipe.generate(PROMPT, drafter="none", **common).stats
     return {
         "per_round_ms": 1e3 * spec.sampling_s / spec.rounds,
         # a round of k processes about k draft rows and k+1 target rows: per row of (k + 1)
