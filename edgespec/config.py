@@ -141,7 +141,6 @@ class GenerationConfig:
         if not (isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop)):
             raise ConfigError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
 
-
     @property
     def gamma(self) -> int:
         """Deprecated: ``draft_length``."""
@@ -153,6 +152,7 @@ class GenerationConfig:
         return self.drafter != NO_DRAFTER
 
 
+FORMER_SETTINGS = ("gamma", "use_draft")  # still accepted by GenerationConfig (deprecated)
 _GENERATED_INIT = GenerationConfig.__init__
 
 
@@ -184,7 +184,6 @@ def _check_draft_length(name: str, value: object) -> None:
     if not (is_int(value) and 1 <= value <= MAX_DRAFT_LENGTH):
         raise ConfigError(f"{name} must be an integer in 1..{MAX_DRAFT_LENGTH} (tokens drafted "
                           f"per round), got {value!r}")
-FORMER_SETTINGS = ("gamma", "use_draft")  # still accepted by GenerationConfig (deprecated)
 
 
 def is_int(value: object) -> bool:
