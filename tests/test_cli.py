@@ -50,9 +50,9 @@ def test_generate_says_where_the_models_ran(packages):
 
 
 def test_bench_reports_progress_on_stderr(packages, tmp_path, monkeypatch):
-    from edgespec import cli
+    from edgespec.cli import bench as bench_command
 
-    monkeypatch.setattr(cli._ProgressLines, "EVERY", 0.0)  # a line after every prompt
+    monkeypatch.setattr(bench_command._ProgressLines, "EVERY", 0.0)  # a line after every prompt
     result = run("bench", packages["llama"], "--prompts", prompts_file(tmp_path), "-n", 4,
                  "--gamma", 2, "--temperature", 0, "--repeats", 1)
     assert result.exit_code == 0, result.output
