@@ -38,7 +38,10 @@ def test_generate_json_holds_text_and_stats(packages):
     first, second = run(*args), run(*args)
     out = json.loads(first.stdout)
     assert out["text"] == json.loads(second.stdout)["text"]
-    assert out["stats"]["new_tokens"] == len(out["token_ids"]) <= 12
+    expected = edgespec.load(packages["llama_noisy"]).generate("x =", max_new_tokens=12,
+                                                              temperature=0.8, seed=3)
+    assert out["token_ids"] == expected.token_ids and out["text"] == expected.text
+    assert out["stats"]["new_tokens"] == len(out["token_ids"])
     assert {"acceptance_rate", "per_position_acceptance", "tokens_per_s", "draft_s"} <= set(out["stats"])
 
 
