@@ -11,6 +11,17 @@ from pathlib import Path
 
 import pytest
 
+SLOW_TIMEOUT_S = 900  # a test marked slow (a venv and pip, a full re-export) may take this long
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Tests marked slow get SLOW_TIMEOUT_S instead of pyproject's per-test timeout, unless
+    they name their own."""
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
+
 # Step costs the adaptive schedule measures are cached per user (runtime/calibration.py): tests
 # (and the CLI processes they start) use a fresh folder, never the user's, and always measure.
 os.environ["EDGESPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="edgespec-test-cache-")

@@ -1,7 +1,10 @@
-"""What the serve tests share: a package whose tokenizer has a chat template."""
+"""What the serve tests share: a package whose tokenizer has a chat template, copies of packages
+with a hostile template or normalizer, a running `edgespec serve` (optionally with its long
+generations held until the server stops), and waits on events with a deadline."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -10,9 +13,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 from openai import OpenAI
 
 import edgespec
@@ -32,14 +38,22 @@ a:
 {% endif %}"""
 
 
+def _copy_editing(folder: Path, out: Path, name: str, **fields) -> Path:
+    """A copy of ``folder`` whose JSON file ``name`` has ``fields`` set."""
+    shutil.copytree(folder, out)
+    path = out / name
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    return out
+
+
 def with_chat_template(checkpoint: Path, out: Path) -> Path:
     """A copy of a Hugging Face checkpoint whose tokenizer_config.json has CHAT_TEMPLATE."""
-    shutil.copytree(checkpoint, out)
-    config_path = out / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return out
+    return _copy_editing(checkpoint, out, "tokenizer_config.json", chat_template=CHAT_TEMPLATE)
+
+
+def with_manifest(package: Path, out: Path, **fields) -> Path:
+    """A copy of an exported package with ``fields`` set in its edgespec.json."""
+    return _copy_editing(package, out, "edgespec.json", **fields)
 
 
 def with_template(package: Path, out: Path, source: str) -> Path:
@@ -52,22 +66,84 @@ def with_template(package: Path, out: Path, source: str) -> Path:
 def with_normalizer(package: Path, out: Path, normalizer: dict) -> Path:
     """A copy of an exported package whose tokenizer has ``normalizer`` (its vocabulary, and
     so its fingerprint, unchanged)."""
-    shutil.copytree(package, out)
-    path = out / "tokenizer.json"
-    raw = json.loads(path.read_text())
-    raw["normalizer"] = normalizer
-    path.write_text(json.dumps(raw))
-    return out
+    return _copy_editing(package, out, "tokenizer.json", normalizer=normalizer)
+
+
+def wait_until(ready: Callable[[], object], what: str, seconds: float = 30,
+               every: float = 0.01):
+    """Poll ``ready()`` until it is true (and return it); a wait past ``seconds`` fails the
+    test, saying what never happened."""
+    give_up = time.monotonic() + seconds
+    while not (value := ready()):
+        assert time.monotonic() < give_up, f"never {what} within {seconds} s"
+        threading.Event().wait(every)
+    return value
+
+
+async def until(ready, what: str, seconds: float = 30) -> None:
+    """On the event loop: wait for ``ready()`` (polled), failing past ``seconds``."""
+    async def poll():
+        while not ready():
+            await asyncio.sleep(0.005)
+
+    try:
+        await asyncio.wait_for(poll(), seconds)
+    except asyncio.TimeoutError:
+        pytest.fail(f"never {what} within {seconds} s")
+
+
+# `edgespec serve` whose generations asked with ignore_eos make one piece, then hold until
+# they are cancelled (the client leaves, the server stops): a generation that is still running
+# when the test acts, however fast the machine
+HELD_SERVE = """
+import sys, threading
+from edgespec.runtime.pipeline import Pipeline
+from edgespec.cli import entry
+
+stream = Pipeline.stream
+
+
+class Held:
+    def __init__(self, inner):
+        self.inner, self.cancelled = inner, threading.Event()
+
+    def cancel(self):
+        self.cancelled.set()
+        self.inner.cancel()
+
+    def __iter__(self):
+        if not self.cancelled.is_set():  # a generation cancelled before it starts makes none
+            yield "x"
+        self.cancelled.wait(120)
+        list(self.inner)  # cancelled: ends at once, with its result
+
+    @property
+    def result(self):
+        return self.inner.result
+
+
+def held(self, *args, **kwargs):
+    inner = stream(self, *args, **kwargs)
+    return Held(inner) if kwargs.get("ignore_eos") else inner
+
+
+Pipeline.stream = held
+sys.argv[0] = "edgespec"
+entry()
+"""
 
 
 class Served:
-    """A running `edgespec serve` process, its port, and its stderr as it comes."""
+    """A running `edgespec serve` process, its port, and its stderr as it comes. ``held``:
+    its ignore_eos generations hold until cancelled (HELD_SERVE)."""
 
-    def __init__(self, *args: str, env: dict | None = None, host: str = "127.0.0.1"):
+    def __init__(self, *args: str, env: dict | None = None, host: str = "127.0.0.1",
+                 held: bool = False):
         env = {**os.environ, "PYTHONPATH": str(Path(edgespec.__file__).parents[1]),
                **(env or {})}
+        command = ["-c", HELD_SERVE] if held else ["-m", "edgespec"]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "edgespec", "serve", "--port", "0", *args],
+            [sys.executable, *command, "serve", "--port", "0", *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
         ready = threading.Event()
@@ -95,10 +171,32 @@ class Served:
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health").json()
 
+    def wait_health(self, ready: Callable[[dict], bool], what: str, seconds: float = 30):
+        """Poll /health until ``ready(health)``."""
+        return wait_until(lambda: ready(self.health()), what, seconds)
+
+    def text_child_running(self) -> bool:
+        """Whether the server's tokenizer and template child is running (busy with a
+        request), not asleep on its stdin (Linux: /proc)."""
+        return any(state == "R" for state in _children_states(self.process.pid))
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
             self.process.wait(10)
+
+
+def _children_states(pid: int) -> list[str]:
+    """The states (R running, S sleeping, ...) of the processes whose parent is ``pid``."""
+    states = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            states.append(fields[0])
+    return states
 
 
 def _connects(host: str, port: int) -> bool:

@@ -38,7 +38,10 @@ def test_generate_json_holds_text_and_stats(packages):
     first, second = run(*args), run(*args)
     out = json.loads(first.stdout)
     assert out["text"] == json.loads(second.stdout)["text"]
-    assert out["stats"]["new_tokens"] == len(out["token_ids"]) <= 12
+    expected = edgespec.load(packages["llama_noisy"]).generate("x =", max_new_tokens=12,
+                                                              temperature=0.8, seed=3)
+    assert out["token_ids"] == expected.token_ids and out["text"] == expected.text
+    assert out["stats"]["new_tokens"] == len(out["token_ids"])
     assert {"acceptance_rate", "per_position_acceptance", "tokens_per_s", "draft_s"} <= set(out["stats"])
 
 
@@ -50,9 +53,9 @@ def test_generate_says_where_the_models_ran(packages):
 
 
 def test_bench_reports_progress_on_stderr(packages, tmp_path, monkeypatch):
-    from edgespec import cli
+    from edgespec.cli import bench as bench_command
 
-    monkeypatch.setattr(cli._ProgressLines, "EVERY", 0.0)  # a line after every prompt
+    monkeypatch.setattr(bench_command._ProgressLines, "EVERY", 0.0)  # a line after every prompt
     result = run("bench", packages["llama"], "--prompts", prompts_file(tmp_path), "-n", 4,
                  "--gamma", 2, "--temperature", 0, "--repeats", 1)
     assert result.exit_code == 0, result.output

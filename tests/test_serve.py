@@ -13,6 +13,7 @@ import threading
 import httpx
 import pytest
 from click.testing import CliRunner
+from serve_helpers import until, with_manifest
 from starlette.testclient import TestClient
 
 import edgespec
@@ -84,9 +85,9 @@ def test_a_completion_equals_generate_with_the_same_settings(client, demo, setti
 
 def test_openai_default_is_16_tokens_and_prompts_may_be_token_ids(client, demo):
     out = complete(client, seed=1).json()  # OpenAI's defaults: 16 tokens, temperature 1
-    assert out["usage"]["completion_tokens"] <= 16
-    assert out["choices"][0]["text"] == demo.generate(PROMPT, max_new_tokens=16, seed=1,
-                                                      temperature=1.0).text
+    expected = demo.generate(PROMPT, max_new_tokens=16, seed=1, temperature=1.0)
+    assert out["choices"][0]["text"] == expected.text
+    assert out["usage"]["completion_tokens"] == expected.stats.new_tokens
     ids = demo.encode(PROMPT)
     by_ids = client.post("/v1/completions", json={"model": "demo", "prompt": [ids],
                                                   "temperature": 0, "max_tokens": 8}).json()
@@ -198,11 +199,8 @@ def test_a_chat_template_outside_the_package_or_missing_is_refused(chat_package,
     from edgespec.errors import ManifestError
     from edgespec.manifest import Manifest
 
-    pkg = tmp_path / "pkg"
-    shutil.copytree(chat_package, pkg)
+    pkg = with_manifest(chat_package, tmp_path / "pkg", chat_template=where)
     shutil.copy(pkg / "chat_template.jinja", tmp_path / "outside.jinja")
-    raw = json.loads((pkg / "edgespec.json").read_text())
-    (pkg / "edgespec.json").write_text(json.dumps({**raw, "chat_template": where}))
     with pytest.raises(ManifestError, match=message):
         Manifest.read(pkg)
 
@@ -220,9 +218,7 @@ def test_chat_renders_as_transformers_does_with_one_bos(chat_package, tmp_path):
     from edgespec.serve.chat import ChatTemplate
 
     pkg = tmp_path / "bos"  # a package whose tokenizer adds BOS to plain prompts
-    shutil.copytree(chat_package, pkg)
-    raw = json.loads((pkg / "edgespec.json").read_text())
-    (pkg / "edgespec.json").write_text(json.dumps({**raw, "add_bos_token": True}))
+    with_manifest(chat_package, pkg, add_bos_token=True)
     pipe = edgespec.load(pkg)
     hf = AutoTokenizer.from_pretrained(pipe.manifest.source["target"])
     flat = [{**m, "content": "and sub"} if isinstance(m["content"], list) else m
@@ -248,7 +244,11 @@ def test_chat_streams_deltas_and_refuses_what_its_template_refuses(chat_package)
         body = {"model": "chat", "messages": MESSAGES[:2], "temperature": 0}
         whole = client.post("/v1/chat/completions", json=body).json()
         # chat's default max_tokens: the rest of the context window
-        assert whole["usage"]["total_tokens"] <= pipe.manifest.max_positions
+        ids = client.post("/tokenize", json={"model": "chat", "messages": MESSAGES[:2]}).json()
+        expected = pipe.generate(ids["tokens"], temperature=0,
+                                 max_new_tokens=pipe.manifest.max_positions - ids["count"])
+        assert whole["choices"][0]["message"]["content"] == expected.text
+        assert whole["usage"]["completion_tokens"] == expected.stats.new_tokens
         with client.stream("POST", "/v1/chat/completions",
                            json={**body, "stream": True}) as response:
             events = sse_payloads(response)
@@ -281,11 +281,11 @@ def test_chat_streams_deltas_and_refuses_what_its_template_refuses(chat_package)
 class Gate:
     """A TextStream stand-in that runs one round per release: a generation held open. Its
     rounds yield "x", or nothing with ``silent`` (special tokens, held-back text); like
-    TextStream it ends at the round after ``cancel()``."""
+    TextStream it ends at the round after ``cancel()``. ``ran``: set once a round has run."""
 
     def __init__(self, silent: bool = False):
         self.release, self.rounds, self.silent = threading.Semaphore(0), 0, silent
-        self.cancelled = threading.Event()
+        self.cancelled, self.ran = threading.Event(), threading.Event()
         self.result = None
 
     def cancel(self):
@@ -295,8 +295,14 @@ class Gate:
         while not self.cancelled.is_set():
             self.release.acquire()
             self.rounds += 1
+            self.ran.set()
             if not self.silent:
                 yield "x"
+
+
+async def ran(gate: Gate) -> None:
+    """Wait (10 s at most) until the worker thread has run one of the gate's rounds."""
+    assert await asyncio.to_thread(gate.ran.wait, 10), "the generation never started"
 
 
 def test_the_queue_admits_one_running_plus_queue_then_refuses():
@@ -342,8 +348,7 @@ def test_a_job_whose_rounds_make_no_text_is_still_cancelled_and_closed():
         worker, gate = Worker(queue=0), Gate(silent=True)
         job = worker.submit(gate)
         gate.release.release()
-        while gate.rounds == 0:
-            await asyncio.sleep(0.01)
+        await ran(gate)
         job.cancel()
         for _ in range(5):
             gate.release.release()
@@ -352,8 +357,7 @@ def test_a_job_whose_rounds_make_no_text_is_still_cancelled_and_closed():
         second = Worker(queue=0)
         second.submit(closing)
         closing.release.release()
-        while closing.rounds == 0:
-            await asyncio.sleep(0.01)
+        await ran(closing)
         for _ in range(5):
             closing.release.release()
         second.close()
@@ -384,8 +388,7 @@ def test_a_full_queue_is_a_429_with_retry_after(demo):
             body = {"model": "demo", "prompt": PROMPT, "temperature": 0}
             long = asyncio.create_task(http.post("/v1/completions", json={
                 **body, "max_tokens": 400, "ignore_eos": True}))
-            while app.state.server.worker.counts()["running"] == 0:
-                await asyncio.sleep(0.01)
+            await until(lambda: app.state.server.worker.counts()["running"] == 1, "running")
             refused = await http.post("/v1/completions", json={**body, "max_tokens": 2})
             long = await long
         await app.state.server.text.close()  # no lifespan here: the child is ours to end
@@ -406,16 +409,16 @@ def test_a_dropped_generation_ends_early_and_the_next_is_served(demo):
         pieces = job.__aiter__()
         await pieces.__anext__()
         await pieces.aclose()
-        while worker.counts()["cancelled"] == 0:
-            await asyncio.sleep(0.005)
-        after = await worker.submit(demo.stream(PROMPT, max_new_tokens=4)).result()
+        await until(lambda: worker.counts()["cancelled"] == 1, "cancelled")
+        after = await worker.submit(demo.stream(PROMPT, max_new_tokens=4,
+                                                ignore_eos=True)).result()
         worker.close()
         return stream, after
 
     stream, after = asyncio.run(asyncio.wait_for(scenario(), timeout=60))  # a hang fails
     result = stream.result  # it never ran to its 450 tokens: it stopped at its next round
     assert result.stats.finish_reason == "cancelled" and result.stats.new_tokens < 450
-    assert after.stats.new_tokens <= 4
+    assert after.stats.new_tokens == 4 and after.stats.finish_reason == "max_new_tokens"
 
 
 def test_serve_without_the_extra_says_how_to_install_it(monkeypatch):

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 
 import httpx
 import pytest
 from openai import OpenAI
-from serve_helpers import with_normalizer, with_template
+from serve_helpers import until, with_manifest, with_normalizer, with_template
 from starlette.testclient import TestClient
 
 import edgespec
@@ -144,32 +143,38 @@ def test_a_request_id_is_echoed_or_given(client):
     assert len(given.headers["x-request-id"]) == 32
 
 
-def test_metrics_are_prometheus_text(client):
-    client.post("/v1/completions", json=body(max_tokens=4))
-    with client.stream("POST", "/v1/completions", json=body(max_tokens=4, stream=True)) as r:
-        list(r.iter_lines())
-    client.post("/v1/completions", content="x", headers={"content-type": "text/plain"})
-    response = client.get("/metrics")
-    assert response.headers["content-type"].startswith("text/plain; version=")
+def metric_samples(client) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(response.text)
-               for s in family.samples}
-    assert samples[("edgespec_requests_total", (("endpoint", "/v1/completions"),
-                                                ("status", "200")))] >= 2
-    assert samples[("edgespec_requests_total", (("endpoint", "/v1/completions"),
-                                                ("status", "415")))] >= 1
-    assert samples[("edgespec_generation_tokens_total", ())] >= 8
-    assert samples[("edgespec_prompt_tokens_total", ())] >= 2 * len(edgespec.load(
-        demo_package()).encode(PROMPT))
-    assert ("edgespec_draft_tokens_total", ()) in samples
-    assert ("edgespec_accepted_tokens_total", ()) in samples
-    assert samples[("edgespec_queue", (("state", "running"),))] == 0
-    assert samples[("edgespec_time_to_first_token_seconds_count", ())] >= 1
-    assert samples[("edgespec_request_seconds_count", (("endpoint", "/v1/completions"),))] >= 3
-    client.get("/no/such/path/12345")
-    assert "/no/such/path" not in client.get("/metrics").text  # no label per client path
+    response = client.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain; version=")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(response.text)
+            for s in family.samples}
+
+
+def test_metrics_are_prometheus_text(demo):
+    with client_for(build_app(demo)) as client:  # its own counters, whatever ran before
+        whole = client.post("/v1/completions", json=body(max_tokens=4)).json()
+        with client.stream("POST", "/v1/completions",
+                           json=body(max_tokens=4, stream=True)) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+        streamed = json.loads(lines[-1][6:])["edgespec"]
+        client.post("/v1/completions", content="x", headers={"content-type": "text/plain"})
+        samples = metric_samples(client)
+        completions = ("endpoint", "/v1/completions")
+        assert samples[("edgespec_requests_total", (completions, ("status", "200")))] == 2
+        assert samples[("edgespec_requests_total", (completions, ("status", "415")))] == 1
+        both = [whole["edgespec"], streamed]
+        for metric, stat in (("generation", "new_tokens"), ("draft", "drafted"),
+                             ("accepted", "accepted")):
+            assert samples[(f"edgespec_{metric}_tokens_total", ())] == sum(s[stat] for s in both)
+        assert samples[("edgespec_prompt_tokens_total", ())] == 2 * len(demo.encode(PROMPT))
+        assert samples[("edgespec_queue", (("state", "running"),))] == 0
+        assert samples[("edgespec_time_to_first_token_seconds_count", ())] == 1
+        assert samples[("edgespec_request_seconds_count", (completions,))] == 3
+        client.get("/no/such/path/12345")
+        assert "/no/such/path" not in client.get("/metrics").text  # no label per client path
 
 
 def test_tokenize_and_detokenize(client, demo):
@@ -211,10 +216,7 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(dem
 @pytest.mark.parametrize("name", ["demo", "bos"])
 def test_the_child_tokenizes_as_the_pipeline_does(demo, chat_package, tmp_path, name):
     if name == "bos":  # a package whose tokenizer adds BOS to plain prompts
-        pkg = tmp_path / "bos"
-        shutil.copytree(chat_package, pkg)
-        manifest = json.loads((pkg / "edgespec.json").read_text())
-        (pkg / "edgespec.json").write_text(json.dumps({**manifest, "add_bos_token": True}))
+        pkg = with_manifest(chat_package, tmp_path / "bos", add_bos_token=True)
         pipe, model = edgespec.load(pkg), "bos"
     else:
         pipe, model = demo, "demo"
@@ -349,9 +351,11 @@ def test_a_stream_whose_client_leaves_is_cancelled_even_if_nothing_is_sent(demo)
 
         async def send(message):
             sent.append(message)
-            if len(sent) == 2:  # the response started and one piece arrived: the client goes
+            if len(sent) == 2:  # the response started and one piece arrived: the client goes,
                 await receipts.put({"type": "http.disconnect"})
-            await asyncio.sleep(0.05)  # a slow reader: a disconnect shows before the end
+                # and this send returns only once the generation is cancelled: a write that
+                # never comes back cannot be what tells the app
+                await until(lambda: worker.counts()["cancelled"] == 1, "cancelled")
 
         await asyncio.wait_for(app(scope, receive, send), 30)
         return worker.counts()

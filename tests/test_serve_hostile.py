@@ -6,21 +6,34 @@ through the openai client, and the lines it prints."""
 from __future__ import annotations
 
 import json
+import select
 import signal
 import socket
-import time
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 from openai import AuthenticationError, OpenAI
-from serve_helpers import Served, with_normalizer, with_template
+from serve_helpers import Served, wait_until, with_normalizer, with_template
 
+import edgespec
 from edgespec.models import demo_package
+from edgespec.serve.server import EXIT_S
 
 PROMPT = "def fibonacci(n):"
 READ_TIMEOUT = 1  # seconds, for the slow-client tests
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return edgespec.load(demo_package())
+
+
+def greedy(demo, max_tokens: int = 4) -> str:
+    """What the server must answer to PROMPT at temperature 0."""
+    return demo.generate(PROMPT, max_new_tokens=max_tokens, temperature=0).text
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +68,9 @@ def test_the_serving_line_comes_once_the_socket_listens(server):
 
 def test_an_idle_connection_is_answered_408_and_closed(server):
     with raw(server) as sock:
-        start = time.monotonic()
         status, error = status_and_error(read_all(sock))
-        waited = time.monotonic() - start
     assert status == 408 and error["code"] == "request_timeout"
-    assert READ_TIMEOUT * 0.9 <= waited < READ_TIMEOUT + 5
+    assert error["message"] == f"the request's headers did not arrive within {READ_TIMEOUT} s"
 
 
 def test_connections_dribbling_headers_are_dropped(server):
@@ -68,18 +79,28 @@ def test_connections_dribbling_headers_are_dropped(server):
     request = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 10_000
     socks = [raw(server) for _ in range(20)]
     still_open, sent = set(range(len(socks))), 0
-    give_up = time.monotonic() + READ_TIMEOUT + 8
-    while still_open and time.monotonic() < give_up:
+
+    def dribble() -> bool:
+        """A byte more on each open connection, then up to 50 ms for the server to close
+        some (a closed one reads as ready); True once every connection is closed."""
+        nonlocal sent
         for n in list(still_open):
             try:
                 socks[n].send(request[sent:sent + 1])
             except OSError:  # the server closed it (a reset, or a broken pipe)
                 still_open.discard(n)
         sent += 1
-        time.sleep(0.05)
-    for sock in socks:
-        sock.close()
-    assert not still_open, f"{len(still_open)} connections still open after {sent} bytes"
+        answered, _, _ = select.select([socks[n] for n in still_open], [], [], 0.05)
+        for sock in answered:  # the server writes only its 408, then closes
+            still_open.discard(socks.index(sock))
+        return not still_open
+
+    try:  # the read timeout, then each connection's 408 and close
+        wait_until(dribble, "closed every dribbling connection", READ_TIMEOUT + 10, every=0)
+    finally:
+        for sock in socks:
+            sock.close()
+    assert sent < len(request)  # closed before its headers could have ended
     assert server.health()["status"] == "ok"
 
 
@@ -106,18 +127,19 @@ def test_connections_past_the_limit_get_503(tmp_path):
     served = Served("--limit-concurrency", "3")
     try:
         idle = [raw(served) for _ in range(3)]
-        time.sleep(0.2)
-        refused = httpx.get(f"{served.url}/health")
+        # the server takes the three connections in as its loop gets to them
+        refused = wait_until(lambda: (r := httpx.get(f"{served.url}/health")).status_code == 503
+                             and r, "refused a connection past the limit")
         assert refused.status_code == 503
         for sock in idle:
             sock.close()
-        time.sleep(0.2)
-        assert served.health()["status"] == "ok"
+        wait_until(lambda: httpx.get(f"{served.url}/health").status_code == 200,
+                   "answered again once the connections closed")
     finally:
         served.stop()
 
 
-def test_big_prompts_are_refused_at_once_and_memory_comes_back(server):
+def test_big_prompts_are_refused_at_once_and_memory_comes_back(server, demo):
     def rss_mb() -> float:
         status = Path(f"/proc/{server.process.pid}/status").read_text()
         return int(status.split("VmRSS:")[1].split()[0]) / 1024
@@ -128,25 +150,30 @@ def test_big_prompts_are_refused_at_once_and_memory_comes_back(server):
     longest = {"model": "demo", "prompt": "x " * 11_000, "max_tokens": 4}  # fits the chars
 
     def send(body):
-        return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        return response.status_code, response.json()["error"]["code"]
 
     with ThreadPoolExecutor(16) as pool:
-        codes = list(pool.map(send, [huge] * 16 + [longest] * 16))
-    assert set(codes) <= {400, 413, 429} and 400 in codes
-    after = server.client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
-    assert after.choices[0].text is not None
+        answers = list(pool.map(send, [huge] * 16 + [longest] * 16))
+    # each refused for its length, or for a full queue while others were being tokenized
+    assert set(answers) <= {(400, "context_length_exceeded"), (429, "queue_full")}
+    assert answers[:16] == [(400, "context_length_exceeded")] * 16  # refused before the queue
+    after = server.client.completions.create(model="demo", prompt=PROMPT, max_tokens=4,
+                                             temperature=0)
+    assert after.choices[0].text == greedy(demo)
     assert rss_mb() - before < 100
 
 
-def test_the_api_key_through_the_openai_client():
+def test_the_api_key_through_the_openai_client(demo):
     served = Served(env={"EDGESPEC_API_KEY": "sk-test"})
     try:
         client = OpenAI(base_url=f"{served.url}/v1", api_key="sk-test", max_retries=0)
-        out = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
-        assert out.usage.completion_tokens <= 4
+        out = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4,
+                                        temperature=0)
+        assert out.choices[0].text == greedy(demo)
         stream = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4,
-                                           stream=True)
-        assert "".join(chunk.choices[0].text for chunk in stream)
+                                           temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream) == greedy(demo)
         with pytest.raises(AuthenticationError):
             served.client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
         assert served.health()["status"] == "ok"
@@ -179,49 +206,46 @@ def test_an_ipv6_address_is_printed_in_brackets():
         served.stop()
 
 
-def stop_and_time(served: Served) -> tuple[int, float]:
-    start = time.monotonic()
+def stop(served: Served) -> int:
+    """SIGTERM, then the exit code: within EXIT_S whatever still runs (server.py), and some
+    slack for a loaded machine; a server that does not exit fails the test."""
     served.process.send_signal(signal.SIGTERM)
-    code = served.process.wait(15)
-    return code, time.monotonic() - start
-
-
-def wait_until(served: Served, ready, what: str, seconds: float = 20) -> None:
-    """Poll /health until ``ready(health)``; a scenario that never gets there fails."""
-    give_up = time.monotonic() + seconds
-    while not ready(served.health()):
-        assert time.monotonic() < give_up, f"never {what}: {served.health()}"
-        time.sleep(0.01)
+    return served.process.wait(EXIT_S + 10)
 
 
 def test_sigterm_answers_requests_in_flight_with_503_and_ends_streams():
-    """One generation runs (the target alone, 480 tokens: about a second), a streamed one
-    waits behind it; SIGTERM then ends both, each in its own way."""
-    served = Served()
+    """One generation runs (held until the server stops), a streamed one waits behind it;
+    SIGTERM then ends both, each in its own way."""
+    served = Served(held=True)
     try:
-        long = {"model": "demo", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True,
-                "use_draft": False}
+        long = {"model": "demo", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
         with ThreadPoolExecutor(1) as pool:
             whole = pool.submit(httpx.post, f"{served.url}/v1/completions", json=long,
                                 timeout=30)
-            wait_until(served, lambda h: h["running"] == 1, "running")
+            served.wait_health(lambda h: h["running"] == 1, "running")
             with httpx.stream("POST", f"{served.url}/v1/completions",
                               json={**long, "stream": True}, timeout=30) as response:
-                assert served.health()["running"] == 1, "the first ended too soon: rerun"
-                code, took = stop_and_time(served)
+                served.wait_health(lambda h: h["waiting"] == 1, "queued the stream")
+                code = stop(served)
                 rest = [line for line in response.iter_lines() if line.startswith("data: ")]
             answer = whole.result()
-        assert code == 143 and took < 5, (code, took)
+        assert code == 143
         assert answer.status_code == 503
         assert answer.json()["error"]["code"] == "shutting_down"
-        assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2][6:])["error"]["code"] == "shutting_down"
+        assert rest == ["data: " + json.dumps({"error": {
+            "message": "the server is stopping; retry on another instance or later",
+            "type": "server_error", "param": None, "code": "shutting_down"}}), "data: [DONE]"]
         log = "".join(served.lines)
         assert "Traceback" not in log and "CancelledError" not in log, log
     finally:
         served.stop()
 
 
+LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                           reason="sees the child busy in /proc")
+
+
+@LINUX
 def test_sigterm_exits_in_time_while_a_template_renders(chat_package, tmp_path):
     pkg = with_template(chat_package, tmp_path / "slow", "{% for i in range(10000) %}"
                         "{% for j in range(10000) %}{% endfor %}{% endfor %}")
@@ -229,27 +253,29 @@ def test_sigterm_exits_in_time_while_a_template_renders(chat_package, tmp_path):
     sigterm_while_busy(Served(str(pkg)), "/v1/chat/completions", body, "rendering")
 
 
+@LINUX
 def test_sigterm_exits_in_time_while_a_tokenizer_is_busy(tmp_path):
     # onig backtracks on every run of a's: ~0.04 s each, half a minute for this prompt
     pkg = with_normalizer(demo_package(), tmp_path / "demo",
                           {"type": "Replace", "pattern": {"Regex": "(a+)+b"}, "content": "b"})
     body = {"model": "demo", "prompt": ("a" * 20 + " ") * 700, "max_tokens": 2}
-    sigterm_while_busy(Served(str(pkg)), "/v1/completions", body, "tokenizing",
-                       settle=0.5)  # well into the tokenizer
+    sigterm_while_busy(Served(str(pkg)), "/v1/completions", body, "tokenizing")
 
 
-def sigterm_while_busy(served: Served, path: str, body: dict, doing: str,
-                       settle: float = 0.0) -> None:
-    """SIGTERM once the request is queued (and ``settle`` seconds later): exit 143 within 5 s,
-    the request answered 503 shutting_down, no traceback."""
+def sigterm_while_busy(served: Served, path: str, body: dict, doing: str) -> None:
+    """SIGTERM once the child is busy with the request: exit 143 (within EXIT_S), the
+    request answered 503 shutting_down, no traceback."""
     try:
+        model = body["model"]  # a first request: the child has started and now waits
+        assert httpx.post(f"{served.url}/tokenize", json={"model": model, "prompt": "hi"},
+                          timeout=30).status_code == 200
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(httpx.post, f"{served.url}{path}", json=body, timeout=60)
-            wait_until(served, lambda h: h["waiting"] == 1, doing)
-            time.sleep(settle)
-            code, took = stop_and_time(served)
+            served.wait_health(lambda h: h["waiting"] == 1, doing)
+            wait_until(served.text_child_running, f"{doing} in the child")
+            code = stop(served)
             answer = answer.result()
-        assert code == 143 and took < 5, (code, took)
+        assert code == 143
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down"
         assert "Traceback" not in "".join(served.lines)
     finally:

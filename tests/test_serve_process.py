@@ -4,12 +4,13 @@ plain, streamed and chat completions, 8 clients at once, a dropped stream, SIGTE
 from __future__ import annotations
 
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from serve_helpers import Served
+
+from edgespec.serve.server import EXIT_S
 
 import edgespec
 from edgespec.models import demo_package
@@ -58,20 +59,21 @@ def test_eight_clients_at_once_each_get_their_own_seeds_text(demo_server, demo):
     assert demo_server.health()["refused"] == 0
 
 
-def test_a_dropped_stream_cancels_its_generation(demo_server):
-    before = demo_server.health()["cancelled"]
-    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True,
-            "stream": True}
-    with httpx.stream("POST", f"{demo_server.url}/v1/completions", json=body) as response:
-        next(response.iter_lines())  # one piece, then the client goes away
-    give_up = time.monotonic() + 60  # a generation that is never cancelled fails, not hangs
-    while demo_server.health()["cancelled"] == before:
-        assert time.monotonic() < give_up, "the generation was not cancelled"
-        time.sleep(0.02)
-    health = demo_server.health()
-    assert health["running"] == 0 and health["cancelled"] == before + 1
-    out = demo_server.client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
-    assert out.usage.completion_tokens <= 4  # the slot is free for the next request
+def test_a_dropped_stream_cancels_its_generation(demo, tmp_path):
+    server = Served(held=True)  # its generation holds until cancelled: only the drop ends it
+    try:
+        body = {"model": "demo", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+            next(response.iter_lines())  # one piece, then the client goes away
+        health = server.wait_health(lambda h: h["cancelled"] == 1 and h, "cancelled")
+        assert health["running"] == 0 and health["completed"] == 0
+        out = server.client.completions.create(model="demo", prompt=PROMPT, max_tokens=4,
+                                                temperature=0)  # the slot is free again
+        assert out.choices[0].text == demo.generate(PROMPT, max_new_tokens=4,
+                                                    temperature=0).text
+    finally:
+        server.stop()
 
 
 def test_chat_through_the_openai_client_then_sigterm_ends_the_server(chat_package):
@@ -92,11 +94,9 @@ def test_chat_through_the_openai_client_then_sigterm_ends_the_server(chat_packag
                 "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
             next(response.iter_lines())
-            start = time.perf_counter()
             server.process.send_signal(signal.SIGTERM)
-            code = server.process.wait(10)
-            took = time.perf_counter() - start
-        assert code in (0, 143) and took < 6, (code, took, "".join(server.lines))
+            code = server.process.wait(EXIT_S + 10)  # a server that does not exit fails
+        assert code in (0, 143), (code, "".join(server.lines))
         assert "Traceback" not in "".join(server.lines)
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{server.url}/health")

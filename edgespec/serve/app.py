@@ -8,11 +8,9 @@
     POST /tokenize             the token ids of a prompt or a conversation
     POST /detokenize           the text of token ids
 
-Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the
-status saying whose fault it was: 400 bad request, 401 no or a wrong API key, 404 unknown model
-or path, 408 a body that did not arrive in time, 413 body too large, 415 a body that is not
-JSON, 429 queue full (with Retry-After), 500 a fault in edgespec, its package or a native
-library, 503 the server is stopping. What every request passes first is in middleware.py.
+Errors use OpenAI's shape, with the status saying whose fault it was (errors.py); replies,
+whole or streamed, are shaped in responses.py. What every request passes first is in
+middleware.py.
 
 A request takes its place in the queue (worker.py) as soon as its body is read, before its
 prompt is tokenized or its template rendered, and both run in a child process
@@ -24,29 +22,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
-from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edgespec.config import resolve_sampling
-from edgespec.errors import EdgespecError, ManifestError
-from edgespec.runtime.pipeline import GenerationResult, Pipeline, check_ids, check_text
+from edgespec.errors import EdgespecError
+from edgespec.runtime.pipeline import Pipeline, check_ids, check_text
 from edgespec.serve import middleware
 from edgespec.serve.chat import ChatTemplate, ChatTemplateError
 from edgespec.serve.config import ServeConfig
+from edgespec.serve.errors import HANDLERS, ApiError, parse, shutting_down
 from edgespec.serve.metrics import Metrics, RequestMetrics
+from edgespec.serve.responses import Reply, respond
 from edgespec.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -55,43 +51,12 @@ from edgespec.serve.schemas import (
     TokenizeRequest,
 )
 from edgespec.serve.text_process import TextProcess, TokenizerError
-from edgespec.serve.worker import TIME_LIMIT, Busy, Cancelled, Closing, Job, NativeFault, Worker
+from edgespec.serve.worker import Busy, Closing, Job, Worker
 
 log = logging.getLogger("edgespec.serve")
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 RETRY_AFTER_S = 1
-FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length",
-                  "context_limit": "length", TIME_LIMIT: "length"}
-# What a field that takes one of several types must be, said once instead of per type tried
-UNION_FIELDS = {
-    "prompt": "a string, a list of token ids, or a list holding one of either",
-    "stop": "a string or a list of strings",
-    "content": "a string or a list of text parts",
-    "logprobs": "a boolean or an integer",
-}
-
-
-class ApiError(Exception):
-    """An answer in OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind, self.headers = kind, headers
-
-    def response_body(self) -> dict:
-        return middleware.error_body(self.message, self.kind, self.param, self.code)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.response_body(), status_code=self.status, headers=self.headers)
-
-
-def _shutting_down() -> ApiError:
-    return ApiError(503, "the server is stopping; retry on another instance or later", None,
-                    "shutting_down", "server_error")
 
 
 @dataclass
@@ -154,11 +119,9 @@ def build_app(pipe: Pipeline, config: ServeConfig | None = None) -> Starlette:
         Route("/tokenize", partial(tokenize, server), methods=["POST"]),
         Route("/detokenize", partial(detokenize, server), methods=["POST"]),
     ]
-    handlers = {ApiError: lambda r, e: e.response(), HTTPException: _http_error,
-                Exception: _internal_error}
     stack = [Middleware(middleware.RequestId), Middleware(RequestMetrics, metrics=metrics),
              *middleware.stack(config)]
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
+    app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan,
                     middleware=stack)
     app.state.server = server
     return app
@@ -191,7 +154,7 @@ async def get_model(server: Server, request: Request) -> JSONResponse:
 
 
 async def completions(server: Server, request: Request) -> Response:
-    body = _parse(CompletionRequest, await _read_body(request, server))
+    body = parse(CompletionRequest, await _read_body(request, server))
     _check_settings(server, body)
     prompt = body.single_prompt()
     max_tokens = _max_tokens(server, body.max_tokens, "max_tokens") or COMPLETION_MAX_TOKENS
@@ -204,7 +167,7 @@ async def completions(server: Server, request: Request) -> Response:
 
 
 async def chat_completions(server: Server, request: Request) -> Response:
-    body = _parse(ChatCompletionRequest, await _read_body(request, server))
+    body = parse(ChatCompletionRequest, await _read_body(request, server))
     _check_settings(server, body)
     _check_template(server)
     asked = (_max_tokens(server, body.max_completion_tokens, "max_completion_tokens")
@@ -219,7 +182,7 @@ async def chat_completions(server: Server, request: Request) -> Response:
 
 
 async def tokenize(server: Server, request: Request) -> JSONResponse:
-    body = _parse(TokenizeRequest, await _read_body(request, server))
+    body = parse(TokenizeRequest, await _read_body(request, server))
     _check_model(server, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give either prompt (as /v1/completions takes it) or messages (as "
@@ -236,7 +199,7 @@ async def tokenize(server: Server, request: Request) -> JSONResponse:
 
 
 async def detokenize(server: Server, request: Request) -> JSONResponse:
-    body = _parse(DetokenizeRequest, await _read_body(request, server))
+    body = parse(DetokenizeRequest, await _read_body(request, server))
     _check_model(server, body.model)
     try:
         ids = check_ids(body.tokens, server.pipe.manifest.vocab_size)
@@ -278,36 +241,6 @@ async def _read_body(request: Request, server: Server) -> bytes:
                        "request_timeout") from None
     except ClientDisconnect:  # gone before its request was read: nobody to answer
         raise ApiError(400, "the client disconnected while sending the request") from None
-
-
-def _parse(schema: type[BaseModel], body: bytes):
-    """The body checked against the schema; the first fault is a 400 naming its field."""
-    try:
-        return schema.model_validate_json(body)
-    except ValidationError as e:
-        error = e.errors(include_url=False)[0]
-        if error["type"] == "json_invalid":
-            raise ApiError(400, f"the body is not valid JSON: {error['msg']}") from None
-        loc = [str(part) for part in error["loc"]]
-        param = _param(loc)
-        if not param:
-            raise ApiError(400, f"the body must be a JSON object: {error['msg']}") from None
-        if error["type"] == "missing":
-            raise ApiError(400, f"{param} is required", param) from None
-        if error["type"] == "value_error":  # one of the schema's own rules: say it
-            raise ApiError(400, f"{param}: {error['ctx']['error']}", param) from None
-        union = next((i for i, part in enumerate(loc) if part in UNION_FIELDS), None)
-        if union is not None:  # one error per type tried: name the field, not the types
-            param = _param(loc[: union + 1])
-            raise ApiError(400, f"{param} must be {UNION_FIELDS[loc[union]]}", param) from None
-        shown = json.dumps(error.get("input"))
-        shown = shown if len(shown) <= 40 else shown[:37] + "..."
-        raise ApiError(400, f"{param}: {error['msg']}, got {shown}", param) from None
-
-
-def _param(loc: list[str]) -> str:
-    """A field's place as OpenAI writes it: messages[0].role."""
-    return "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in loc).lstrip(".")
 
 
 def _check_model(server: Server, model: str) -> None:
@@ -360,7 +293,7 @@ async def _admitted(server: Server) -> AsyncIterator[Job]:
                        "running or waiting; retry later", None, "queue_full", "server_error",
                        {"Retry-After": str(RETRY_AFTER_S)}) from None
     except Closing:
-        raise _shutting_down() from None
+        raise shutting_down() from None
     try:
         yield job
     finally:
@@ -379,7 +312,7 @@ async def _unless_stopping(server: Server, awaitable: Awaitable):
         if not task.done():
             task.cancel()
     if server.stopping.is_set():
-        raise _shutting_down()
+        raise shutting_down()
     try:
         return task.result()
     except TokenizerError as e:
@@ -443,7 +376,7 @@ def _start(server: Server, job: Job, body: Settings, prompt: str | list[int],
     """Hand the admitted job its generation. ``prompt``: what the pipeline gets (text, which
     it may heal, or ids), already tokenized as ``prompt_ids``."""
     if server.stopping.is_set():
-        raise _shutting_down()
+        raise shutting_down()
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     try:
         stream = server.pipe.stream(
@@ -459,147 +392,5 @@ def _start(server: Server, job: Job, body: Settings, prompt: str | list[int],
 
 async def _respond(server: Server, request: Request, body: Settings, job: Job,
                    chat: bool) -> Response:
-    reply = _Reply(server, chat, job.prompt_tokens)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(reply.events(job, include_usage, request),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
-    try:
-        result = await job.result()
-    except Exception as e:
-        raise _generation_error(e) from None
-    finally:
-        watcher.cancel()
-    return JSONResponse(reply.whole(result))
-
-
-def _generation_error(error: Exception) -> Exception:
-    """What a generation that failed answers: the server stopping 503, a fault of the
-    package or a native library 500, a request the pipeline refused 400; anything else is a
-    bug, left to the 500 handler."""
-    if isinstance(error, Cancelled):
-        return _shutting_down()
-    if isinstance(error, NativeFault):
-        return _native_fault(error)
-    if isinstance(error, ManifestError):
-        log.error("the package failed during a generation: %s", error)
-        return ApiError(500, f"the model's package failed: {error}", None, "package_error",
-                        "server_error")
-    if isinstance(error, EdgespecError):
-        return ApiError(400, str(error))
-    return error
-
-
-def _native_fault(error: NativeFault) -> ApiError:
-    log.error("a native library failed: %s", error)
-    return ApiError(500, f"the tokenizer or the model failed inside a native library ({error})",
-                    None, "native_error", "server_error")
-
-
-async def _cancel_on_disconnect(request: Request, job: Job) -> None:
-    """Cancel the job if the client goes away while it waits for its answer."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            job.cancel()
-            return
-
-
-class _Reply:
-    """OpenAI's response objects for one request: a whole one, or stream chunks."""
-
-    def __init__(self, server: Server, chat: bool, prompt_tokens: int):
-        self.model, self.chat, self.prompt_tokens = server.model, chat, prompt_tokens
-        self.metrics = server.metrics
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.start = time.perf_counter()
-
-    def _object(self, kind: str, choices: list[dict], **extra) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
-
-    def _usage(self, result: GenerationResult) -> dict:
-        # the user's prompt as tokenized (with token healing the generation backed off its
-        # last token, which the first completion token regrows: not counted twice)
-        completion = result.stats.new_tokens
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
-
-    def whole(self, result: GenerationResult) -> dict:
-        finish = FINISH_REASONS.get(result.stats.finish_reason, "stop")
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish}
-        return self._object("chat.completion" if self.chat else "text_completion", [choice],
-                            usage=self._usage(result), edgespec=result.stats.as_dict())
-
-    def _chunk(self, text: str | None, finish: str | None = None, **extra) -> str:
-        if self.chat:
-            delta = {} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return _event(self._object(kind, [choice], **extra))
-
-    async def events(self, job: Job, include_usage: bool, request: Request) -> AsyncIterator[str]:
-        """Server-sent events: text pieces as decoded, a last chunk with the finish reason and
-        edgespec's stats, the usage chunk if asked for, then ``[DONE]``; a failure is an error
-        event before ``[DONE]``. A client that goes away cancels the generation, even while
-        its rounds write nothing."""
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
-        first = True
-        try:
-            if self.chat:
-                yield _event(self._object("chat.completion.chunk", [{
-                    "index": 0, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}]))
-            async for item in job:
-                if isinstance(item, str):
-                    if first:
-                        self.metrics.first_token.observe(time.perf_counter() - self.start)
-                        first = False
-                    yield self._chunk(item)
-                    continue
-                finish = FINISH_REASONS.get(item.stats.finish_reason, "stop")
-                yield self._chunk(None, finish, edgespec=item.stats.as_dict())
-                if include_usage:
-                    yield _event(self._object(
-                        "chat.completion.chunk" if self.chat else "text_completion", [],
-                        usage=self._usage(item)))
-        except Exception as e:
-            error = _generation_error(e)
-            if not isinstance(error, ApiError):  # a fault in edgespec mid-stream
-                log.error("internal error while streaming", exc_info=e)
-                error = ApiError(500, f"internal error ({type(e).__name__}); this is a bug in "
-                                 "edgespec", kind="server_error")
-            yield _event(error.response_body())
-        finally:
-            watcher.cancel()
-            job.cancel()  # the client went away: the generation ends at its next round
-        yield "data: [DONE]\n\n"
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    """Starlette's 404 / 405 in OpenAI's shape."""
-    message = {404: f"no such path: {request.method} {request.url.path}",
-               405: f"{request.method} is not allowed on {request.url.path}"}
-    return ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
-                    code="not_found" if exc.status_code == 404 else None,
-                    headers=getattr(exc, "headers", None)).response()
-
-
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    """A fault in edgespec: 500 in OpenAI's shape; the server goes on (the log has the trace)."""
-    log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-    return ApiError(500, f"internal error ({type(exc).__name__}); this is a bug in edgespec",
-                    kind="server_error").response()
+    reply = Reply(server.model, chat, job.prompt_tokens, server.metrics)
+    return await respond(request, body, job, reply)

@@ -11,7 +11,7 @@ A template comes with the package, so it may be hostile: the sandbox here also c
 operation can build (``range``, ``*``, ``**``, ``%`` and ``+`` on strings and lists,
 ``strftime_now``) and the size of the output, and every fault is a ChatTemplateError naming the
 template. What no sandbox can bound from inside (time, and memory spent in C code such as a
-filter's width) is bounded by rendering in a child process (render.py).
+filter's width) is bounded by rendering in a child process (text_process.py).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class ChatTemplate:
             self.template = env.from_string(source)
         except (jinja2.TemplateError, RecursionError, MemoryError) as e:
             raise ChatTemplateError(f"the package's chat template {name} does not compile "
-                                    f"({_one_line(e)}); re-export the pair") from None
+                                    f"({one_line(e)}); re-export the pair") from None
         self.special_tokens = dict(special_tokens)
 
     @classmethod
@@ -130,7 +130,7 @@ class ChatTemplate:
         try:
             source = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise ChatTemplateError(f"cannot read the chat template {path} ({_one_line(e)}); "
+            raise ChatTemplateError(f"cannot read the chat template {path} ({one_line(e)}); "
                                     "re-export the pair") from None
         return cls(source, manifest.special_tokens, Path(manifest.chat_template).name, max_chars)
 
@@ -152,13 +152,13 @@ class ChatTemplate:
                 "for this conversation, more than the context window can hold") from None
         except jinja2.TemplateError as e:
             raise ChatTemplateError(
-                f"the chat template {self.name} refused the messages: {_one_line(e)}") from None
-        except MemoryError:  # past the rendering process's limit (render.py)
+                f"the chat template {self.name} refused the messages: {one_line(e)}") from None
+        except MemoryError:  # past the rendering process's limit (text_process.py)
             raise ChatTemplateError(f"the chat template {self.name} ran out of memory "
                                     "rendering the conversation") from None
         except Exception as e:  # RecursionError, OverflowError, a filter's fault
             raise ChatTemplateError(f"the chat template {self.name} failed "
-                                    f"({type(e).__name__}: {_one_line(e)})") from None
+                                    f"({type(e).__name__}: {one_line(e)})") from None
         return "".join(pieces)
 
 
@@ -166,9 +166,11 @@ class OutputTooLong(Exception):
     """A render wrote past its limit."""
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """An error's message as one line of at most ``limit`` characters, for an answer or a
+    log line (a native library's message can span many lines and pages)."""
     text = " ".join(str(error).split())
-    return text if len(text) <= 300 else text[:297] + "..."
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _raise_exception(message: str):

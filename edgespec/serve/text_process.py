@@ -19,13 +19,12 @@ import asyncio
 import contextlib
 import json
 import os
-import resource
 import sys
 from pathlib import Path
 
 import edgespec
 from edgespec.errors import EdgespecError
-from edgespec.serve.chat import ChatTemplate, ChatTemplateError
+from edgespec.serve.chat import ChatTemplate, ChatTemplateError, one_line
 
 MEMORY_BYTES = 1 << 30  # address space the child may add to what it holds after start-up
 
@@ -131,8 +130,12 @@ class TextProcess:
 
 
 def _limit_memory() -> None:
-    """Let the child grow by MEMORY_BYTES of address space at most: past it, Python raises
-    MemoryError and Rust aborts the child, instead of the machine running out."""
+    """Linux: let the child grow by MEMORY_BYTES of address space at most: past it, Python
+    raises MemoryError and Rust aborts the child, instead of the machine running out.
+    (Elsewhere the time limit alone bounds it: no /proc, and RLIMIT_AS is not enforced on
+    macOS.)"""
+    import resource  # POSIX only
+
     with open("/proc/self/statm") as statm:
         size = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     resource.setrlimit(resource.RLIMIT_AS, (size + MEMORY_BYTES, size + MEMORY_BYTES))
@@ -193,9 +196,10 @@ def _die_with_parent() -> None:
 
 def main() -> None:
     """The child: load the package's tokenizer and template, then answer each line."""
-    for setup in (_limit_memory, _die_with_parent):  # not Linux: the timeouts and the
-        with contextlib.suppress(OSError, ValueError, AttributeError):  # server's kill stay
-            setup()
+    if sys.platform.startswith("linux"):  # elsewhere: the timeouts and the server's kill
+        for setup in (_limit_memory, _die_with_parent):
+            with contextlib.suppress(OSError, ValueError):  # a hard limit lower already
+                setup()
     child = _Child(json.loads(sys.stdin.readline()))
     for line in sys.stdin:
         try:
@@ -203,8 +207,8 @@ def main() -> None:
         except BaseException as e:  # a Rust panic is a BaseException; MemoryError too
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            reply = {"error": f"the tokenizer failed ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:200]})", "kind": "native"}
+            reply = {"error": f"the tokenizer failed ({type(e).__name__}: {one_line(e, 200)})",
+                     "kind": "native"}
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
 

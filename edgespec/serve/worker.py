@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from queue import SimpleQueue
 
 from edgespec.runtime.pipeline import GenerationResult, TextStream
+from edgespec.serve.chat import one_line
 
 TIME_LIMIT = "time_limit"  # the finish reason of a generation that ran out of time
 
@@ -42,7 +43,7 @@ class NativeFault(Exception):
     request answers a 500 instead of the exception escaping every handler."""
 
     def __init__(self, error: BaseException):
-        super().__init__(f"{type(error).__name__}: {' '.join(str(error).split())[:200]}")
+        super().__init__(f"{type(error).__name__}: {one_line(error, 200)}")
 
 
 @dataclass

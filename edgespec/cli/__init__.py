@@ -1,0 +1,12 @@
+"""The ``edgespec`` command: parse, build configs, call the library, print. No logic here.
+
+    base.py      the group, signals and exit codes, library errors as one line, the extras
+    generate.py  export, generate, models
+    bench.py     bench
+    serve.py     serve
+"""
+
+from edgespec.cli import bench, generate, serve  # noqa: F401  (each registers its commands)
+from edgespec.cli.base import entry, main
+
+__all__ = ["entry", "main"]

@@ -1,0 +1,157 @@
+"""The ``edgespec`` group and what its commands share: signals and exit codes, library errors
+as one line, and the imports of the extras (each said how to install when missing)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+
+import click
+
+from edgespec.errors import EdgespecError
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the program is, so that cleanup runs as it does for Ctrl-C."""
+
+
+def entry() -> None:
+    """The ``edgespec`` console script: the commands, with signals and exit codes handled.
+
+    Ctrl-C exits 130 and SIGTERM 143 (128 + the signal's number, as shells report them), with
+    one line and no traceback, after every ``finally`` has run (an export removes its temporary
+    folder). A closed stdout (``| head``) ends quietly.
+    """
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        main(standalone_mode=False)
+    except click.exceptions.Abort as e:
+        if isinstance(e.__cause__, KeyboardInterrupt):
+            _exit("interrupted", 130)
+        _exit("Aborted!", 1)
+    except KeyboardInterrupt:
+        _exit("interrupted", 130)
+    except Terminated:
+        _exit("terminated", 143)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        sys.exit(1)
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
+def _exit(message: str, code: int) -> None:
+    """Say why, then leave at once with ``code``: every ``finally`` has already run.
+
+    Not ``sys.exit``: CPython remembers a KeyboardInterrupt raised inside code it ran for a
+    library during start-up, and then ends the process by SIGINT (status -2) instead of 130.
+    """
+    click.echo(message, err=True)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def user_errors(command):
+    """Library errors (EdgespecError: bad packages, settings, prompts) become one line on
+    stderr and exit code 1. Nothing else is translated: any other exception is a bug in
+    edgespec and keeps its traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warning
+            try:
+                return command(*args, **kwargs)
+            except EdgespecError as e:
+                raise click.ClickException(str(e)) from None
+
+    return wrapper
+
+
+def _one_line_warning(message, category, *args, **kwargs) -> None:
+    click.echo(f"warning: {message}", err=True)
+
+
+def needs_export_extra(module: str):
+    """Import a module that needs torch/transformers/optimum, or say how to install them."""
+    try:
+        with _signals_held():
+            import onnx  # noqa: F401  (C extensions: imported here, where signals wait)
+
+            return importlib.import_module(module)
+    except ImportError as e:
+        raise click.ClickException(
+            f"this command needs the export extra ({e.name} is missing): "
+            "pip install 'edgespec[export]'"
+        ) from None
+
+
+SERVE_MODULES = ("starlette", "uvicorn", "pydantic", "jinja2", "prometheus_client")  # what the serve extra installs
+
+
+def needs_serve_extra():
+    """edgespec.serve, or one line saying how to install what it needs."""
+    try:
+        for module in SERVE_MODULES:
+            importlib.import_module(module)
+        import edgespec.serve.server
+
+        return edgespec.serve
+    except ImportError as e:
+        raise click.ClickException(
+            f"edgespec serve needs the serve extra ({e.name} is missing): "
+            'pip install "edgespec[serve]"'
+        ) from None
+
+
+def runtime():
+    """edgespec.runtime (onnxruntime, NumPy, tokenizers), imported while signals wait."""
+    with _signals_held():
+        import edgespec.runtime
+
+        return edgespec.runtime
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold Ctrl-C and SIGTERM while C extensions import: an import interrupted half-way can
+    crash the interpreter (seen with onnx's). A signal that arrives meanwhile is delivered,
+    and handled as usual, as soon as the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@click.group()
+@click.version_option(package_name="edgespec")
+def main() -> None:
+    """Speculative decoding for on-device language models on ONNX Runtime."""
+
+
+def demo_package() -> Path:
+    """The bundled demo pair's package, which a command without PACKAGE uses."""
+    from edgespec import models
+
+    return models.demo_package()

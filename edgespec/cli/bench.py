@@ -1,0 +1,116 @@
+"""``edgespec bench``: parse, build the benchmark's config, run it, print its table and
+progress."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from edgespec.cli.base import demo_package, main, runtime, user_errors
+from edgespec.config import PROVIDERS, GenerationConfig
+from edgespec.manifest import PROMPTS_NAME
+
+_DEFAULTS = GenerationConfig()
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+@main.command()
+@click.argument("package", required=False, type=click.Path(path_type=Path))
+@click.option("--gamma", "gammas", default="2,4,8", show_default=True,
+              help="Draft lengths to compare, comma-separated (the largest is the adaptive "
+                   "schedule's most, as generate's --gamma).")
+@click.option("--temperature", "temperatures", default="0,0.7,1", show_default=True,
+              help="Temperatures, comma-separated.")
+@click.option("--schedule", "schedules", default="adaptive,fixed", show_default=True,
+              help="Draft-length schedules, comma-separated: fixed runs every --gamma; "
+                   "heuristic and adaptive (generate's default) run once with the largest.")
+@click.option("--drafter", "drafters", default="auto", show_default=True,
+              help="Drafters to compare, comma-separated: model, ngram, auto (model if the "
+                   "package has one, else ngram); each against target-only runs.")
+@click.option("--max-new-tokens", "-n", default=_DEFAULTS.max_new_tokens, show_default=True)
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
+              help="Prompts, one per line (or JSON Lines of strings). "
+                   "Default: the package's prompts.jsonl.")
+@click.option("--repeats", default=3, show_default=True, help="Runs of each prompt.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the report here.")
+@click.option("--plot", "plot_out", type=click.Path(path_type=Path),
+              help="Plot speedup against gamma to this PNG (needs matplotlib).")
+@click.option("--provider", default="auto", show_default=True,
+              type=click.Choice(PROVIDERS))
+@user_errors
+def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, drafters: str,
+          max_new_tokens: int, prompts_file: Path | None, repeats: int, json_out: Path | None,
+          plot_out: Path | None, provider: str) -> None:
+    """Speedup of speculative over target-only decoding, measured side by side."""
+    load = runtime().load
+    from edgespec import bench as benchmark
+
+    try:
+        gamma_list, temperature_list = _ints(gammas), _floats(temperatures)
+    except ValueError as e:
+        raise click.ClickException(f"--gamma/--temperature: {e}") from None
+    config = benchmark.BenchConfig(gamma_list, temperature_list, max_new_tokens, repeats,
+                                   schedules=tuple(schedules.split(",")),
+                                   drafters=tuple(drafters.split(",")))
+    if json_out:  # outputs checked now: the benchmark may take many minutes
+        benchmark.check_writable(json_out, "--json")
+    if plot_out:
+        benchmark.check_plotting(plot_out)
+    package = package or demo_package()
+    pipe = load(package, provider=provider)
+    benchmark.check_drafters(pipe, config)
+    prompts = benchmark.read_prompts(prompts_file or package / PROMPTS_NAME)
+    total = benchmark.total_runs(config, len(prompts))
+    click.echo(f"benchmarking {package}: {total} generations of {max_new_tokens} tokens "
+               f"({len(prompts)} prompts x {repeats} repeats x {len(config.temperatures)} "
+               f"temperatures x {total // (len(prompts) * repeats * len(config.temperatures))} "
+               "settings, target-only included)", err=True)
+    report = benchmark.run_bench(pipe, prompts, config, progress=_ProgressLines(total),
+                                 command=shlex.join(["edgespec", *sys.argv[1:]]))
+    click.echo(benchmark.format_table(report))
+    if json_out:
+        json_out.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+        click.echo(f"wrote {json_out}", err=True)
+    if plot_out:
+        benchmark.plot(report, plot_out)
+        click.echo(f"wrote {plot_out}", err=True)
+
+
+class _ProgressLines:
+    """Progress of a long command on stderr, one line every EVERY seconds and at the end:
+    done / total, elapsed, and the time left at the rate so far (works in logs, not only on a
+    terminal, where click's progress bar stays silent)."""
+
+    EVERY = 10.0  # seconds between lines
+
+    def __init__(self, total: int):
+        self.total = total
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, done: int) -> None:
+        now = time.monotonic()
+        if now - self.last < self.EVERY and done < self.total:
+            return
+        self.last = now
+        elapsed = now - self.start
+        left = elapsed / done * (self.total - done) if done else 0.0
+        click.echo(f"  {done}/{self.total} generations, {_duration(elapsed)} elapsed"
+                   + (f", about {_duration(left)} left" if done < self.total else ""), err=True)
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+

@@ -1,0 +1,232 @@
+"""``edgespec export``, ``generate`` and ``models``: parse, build configs, call the library,
+print."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import click
+
+from edgespec.cli.base import demo_package, main, needs_export_extra, runtime, user_errors
+from edgespec.config import (
+    DRAFTERS,
+    EXPORT_DTYPES,
+    EXPORT_GRAPHS,
+    EXPORT_QUANTIZATIONS,
+    EXPORT_VALIDATIONS,
+    PROVIDERS,
+    SCHEDULES,
+    GenerationConfig,
+    resolve_sampling,
+)
+
+_DEFAULTS = GenerationConfig()  # the CLI's defaults are the library's
+
+
+@main.command()
+@click.option("--target", required=True, type=click.Path(path_type=Path),
+              help="Hugging Face folder of the large model whose output you want.")
+@click.option("--draft", type=click.Path(path_type=Path),
+              help="Hugging Face folder of the small model that proposes tokens. Without it: "
+                   "a target-only package, decoded with n-gram drafting.")
+@click.option("--out", required=True, type=click.Path(path_type=Path),
+              help="Package folder to create.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace --out if it is an edgespec package holding nothing else.")
+@click.option("--graph", type=click.Choice(EXPORT_GRAPHS), default="auto",
+              show_default=True,
+              help="fused: edgespec's Llama-family graph with fused operators; optimum: any model.")
+@click.option("--dtype", type=click.Choice(EXPORT_DTYPES), default="fp32", show_default=True,
+              help="fp16 computes in half precision (for GPUs).")
+@click.option("--quantize", type=click.Choice(EXPORT_QUANTIZATIONS),
+              help="Block-wise weight-only quantization of the weights (embedding included).")
+@click.option("--draft-quantize", type=click.Choice(["same", "none", *EXPORT_QUANTIZATIONS]),
+              default="same", show_default=True,
+              help="The draft's own quantization (its precision changes speed, never the "
+                   "output): none keeps it at --dtype.")
+@click.option("--target-compute", type=click.Choice(["auto", "float", "int8"]), default="auto",
+              show_default=True,
+              help="What a quantized target's MatMuls compute in; auto measures both on this "
+                   "machine, with every run shaped so that greedy output stays token-identical.")
+@click.option("--draft-vocab", type=click.IntRange(1),
+              help="The draft scores only this many tokens, the most frequent in "
+                   "--draft-vocab-text (FR-Spec): a cheaper draft step, the same output.")
+@click.option("--draft-vocab-text", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              multiple=True,
+              help="Calibration text for --draft-vocab (repeatable; without it: the lowest ids, "
+                   "a BPE vocabulary's merge order).")
+@click.option("--validate", "validation", type=click.Choice(EXPORT_VALIDATIONS),
+              default="strict", show_default=True,
+              help="strict: a graph that fails validation stops the export; report: write the "
+                   "package anyway and record the figures; skip: no validation.")
+@user_errors
+def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: str, dtype: str,
+           quantize: str | None, draft_quantize: str, target_compute: str,
+           draft_vocab: int | None, draft_vocab_text: tuple[Path, ...], validation: str) -> None:
+    """Export a target/draft pair, or a target alone, to one ONNX package (needs
+    edgespec[export])."""
+    exporter = needs_export_extra("edgespec.export")
+    manifest = exporter.export_pair(target, draft, out, overwrite, dtype, quantize, graph,
+                                    progress=lambda line: click.echo(line, err=True),
+                                    validation=validation,
+                                    draft_quantize=None if draft_quantize == "none" else
+                                    draft_quantize, target_compute=target_compute,
+                                    draft_vocab=draft_vocab, draft_vocab_texts=draft_vocab_text)
+    draft_size = (f"draft {manifest.draft.parameters / 1e6:.1f}M" if manifest.draft
+                  else "no draft (target only: n-gram drafting)")
+    click.echo(
+        f"wrote {out}: target {manifest.target.parameters / 1e6:.1f}M parameters, {draft_size}, "
+        f"vocabulary {manifest.vocab_size}, context {manifest.max_positions}",
+        err=True,
+    )
+
+
+@main.command()
+@click.argument("args", nargs=-1, required=True, metavar="[PACKAGE] PROMPT")
+@click.option("--max-new-tokens", "-n", default=_DEFAULTS.max_new_tokens, show_default=True)
+@click.option("--temperature", "-t", type=float,
+              help="0 is greedy. [default: the package's, else 0]")
+@click.option("--top-k", type=int, help="0 keeps all tokens. [default: the package's, else 0]")
+@click.option("--top-p", type=float, help="1 keeps all tokens. [default: the package's, else 1]")
+@click.option("--gamma", "-k", default=_DEFAULTS.gamma, show_default=True,
+              help="Draft length k: every round's (fixed), the first (heuristic), "
+                   "the most (adaptive, up to 16).")
+@click.option("--schedule", default=_DEFAULTS.schedule, show_default=True,
+              type=click.Choice(SCHEDULES),
+              help="How each round's draft length is chosen.")
+@click.option("--seed", type=int, default=None, help="Seed for sampling.")
+@click.option("--stop", multiple=True, help="Stop at this string (repeatable).")
+@click.option("--drafter", default=_DEFAULTS.drafter, show_default=True,
+              type=click.Choice(DRAFTERS),
+              help="What proposes tokens: the package's draft model, an n-gram lookup of the "
+                   "text so far, or none; auto: model if the package has one, else ngram.")
+@click.option("--ngram-max", default=_DEFAULTS.ngram_max, show_default=True,
+              help="Longest suffix the n-gram lookup matches.")
+@click.option("--ngram-min", default=_DEFAULTS.ngram_min, show_default=True,
+              help="Shortest suffix the n-gram lookup matches.")
+@click.option("--no-draft", is_flag=True, help="Decode with the target alone (the baseline).")
+@click.option("--ignore-eos", is_flag=True, help="Generate --max-new-tokens even past EOS.")
+@click.option("--token-healing/--no-token-healing", default=_DEFAULTS.token_healing,
+              show_default=True,
+              help="Back the prompt off its last token and let the first generated token "
+                   "regrow it (a prompt ending in a space or a newline, say).")
+@click.option("--provider", default="auto", show_default=True,
+              type=click.Choice(PROVIDERS),
+              help="Where the models run: auto takes TensorRT, then CUDA, then the CPU, as "
+                   "onnxruntime offers them; the stats line says which ran.")
+@click.option("--draft-provider", type=click.Choice(PROVIDERS),
+              help="Where the draft runs, if not where the target does.")
+@click.option("--json", "as_json", is_flag=True, help="Print text and stats as one JSON object.")
+@user_errors
+def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | None,
+             top_k: int | None, top_p: float | None, gamma: int, schedule: str,
+             seed: int | None, stop: tuple[str, ...], drafter: str, ngram_max: int,
+             ngram_min: int, no_draft: bool, ignore_eos: bool, token_healing: bool,
+             provider: str, draft_provider: str | None, as_json: bool) -> None:
+    """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair)."""
+    load = runtime().load
+
+    if len(args) > 2:
+        raise click.ClickException(
+            f"expected [PACKAGE] PROMPT, got {len(args)} arguments; quote the prompt"
+        )
+    if len(args) == 1 and Path(args[0]).is_dir():
+        raise click.ClickException(
+            f"{args[0]} is a folder and no prompt was given; run edgespec generate "
+            f"{shlex.quote(args[0])} \"your prompt\" (a lone argument is the demo's prompt)"
+        )
+    package, prompt = (Path(args[0]), args[1]) if len(args) == 2 else (demo_package(), args[0])
+
+    # sampling settings given here override the package's defaults (its generation_config.json),
+    # known only once it is loaded (config.resolve_sampling); checked now, before the slow load
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        sampling=resolve_sampling(given, {}),
+        gamma=gamma,
+        schedule=schedule,
+        use_draft=not no_draft,
+        seed=seed,
+        stop=stop,
+        ignore_eos=ignore_eos,
+        drafter=drafter,
+        ngram_min=ngram_min,
+        ngram_max=ngram_max,
+        token_healing=token_healing,
+    )
+    pipe = load(package, provider=provider, draft_provider=draft_provider)
+    config = replace(config, sampling=resolve_sampling(given, pipe.manifest.generation))
+    if config.sampling.greedy and (top_k is not None or top_p is not None):
+        click.echo("warning: --top-k and --top-p do nothing at temperature 0 (greedy); "
+                   "give --temperature to sample", err=True)
+    stream = pipe.stream(prompt, config)
+    ran_on = {role: session.providers[0] for role, session in
+              (("target", pipe.target), ("draft", pipe.draft)) if session is not None}
+    if as_json:
+        text = "".join(stream)
+        result = {"prompt": prompt, "text": text, "token_ids": stream.result.token_ids,
+                  "stats": stream.result.stats.as_dict(), "providers": ran_on}
+        click.echo(json.dumps(result))
+        return
+    for piece in stream:
+        click.echo(piece, nl=False)
+        sys.stdout.flush()
+    click.echo()
+    where = ", ".join(f"{role} on {name.removesuffix('ExecutionProvider')}"
+                      for role, name in ran_on.items())
+    click.echo(f"{stream.result.stats.summary()}; {where}", err=True)
+
+
+
+
+@main.group()
+def models() -> None:
+    """The bundled demo pair and the recipe that rebuilds it."""
+
+
+@models.command("list")
+@click.argument("packages", nargs=-1, type=click.Path(path_type=Path))
+@user_errors
+def list_models(packages: tuple[Path, ...]) -> None:
+    """Show the bundled model pairs (and any PACKAGES given), their size and where they live."""
+    from edgespec.models import describe_package, describe_pairs
+
+    for line in describe_pairs():
+        click.echo(line)
+    for package in packages:
+        for line in describe_package(package.name, package):
+            click.echo(line)
+
+
+@models.command("build-demo")
+@click.option("--out", required=True, type=click.Path(path_type=Path),
+              help="Folder to create: checkpoints/ and package/ go inside.")
+@click.option("--target-minutes", type=float, help="Target training budget [default: 72].")
+@click.option("--draft-minutes", type=float, help="Draft distillation budget [default: 60].")
+@click.option("--target-checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A target trained before (e.g. checkpoints/demo/target): only the draft is "
+                   "made, with that target's tokenizer.")
+@click.option("--threads", default=0, show_default=True, type=click.IntRange(0),
+              help="PyTorch's threads; 0: every usable core (1 is steadier beside other jobs).")
+@click.option("--seed", default=0, show_default=True)
+@user_errors
+def build_demo(out: Path, target_minutes: float | None, draft_minutes: float | None,
+               target_checkpoint: Path | None, threads: int, seed: int) -> None:
+    """Train the demo pair on this Python's standard library and export it (needs the export extra)."""
+    if out.exists():
+        raise click.ClickException(f"{out} already exists; choose another --out")
+    recipe = needs_export_extra("edgespec.models.recipe")
+    budgets = {"target_minutes": target_minutes, "draft_minutes": draft_minutes}
+    config = recipe.RecipeConfig(seed=seed, threads=threads,
+                                 **{k: v for k, v in budgets.items() if v is not None})
+    report = recipe.build_demo_package(out, config, target_checkpoint=target_checkpoint,
+                                       progress=lambda line: click.echo(line, err=True))
+    click.echo(
+        f"wrote {out}: target held-out perplexity {report['target']['heldout_perplexity']:.1f}, "
+        f"draft greedy agreement {report['greedy_agreement']:.0%}",
+        err=True,
+    )
