@@ -56,7 +56,43 @@ def test_adaptive_turns_speculation_off_when_it_cannot_pay_and_probes_again():
         k = schedule.next_k()
         ks.append(k)
         schedule.update(k, 0)
-    assert ks == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    assert ks == [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]  # the failed probe doubled the spacing
+
+
+def _probe_gaps(schedule: AdaptiveSchedule, steps: int, accepts) -> list[int]:
+    """Plain steps before each probe over ``steps`` rounds; ``accepts(i)``: probe i's outcome."""
+    gaps, off = [], 0
+    for _ in range(steps):
+        k = schedule.next_k()
+        if k == 0:
+            off += 1
+            schedule.update(0, 0)
+            continue
+        schedule.update(k, k if accepts(len(gaps)) else 0)
+        gaps.append(off)
+        off = 0
+    return gaps
+
+
+def test_probes_back_off_while_the_drafter_guesses_nothing():
+    """A hopeless drafter (an untrained draft) is probed ever more rarely: 4, 8, 16, ...
+    plain steps apart, up to 16 times the first spacing, so it costs less and less."""
+    schedule = AdaptiveSchedule(COSTLY_DRAFT, prior_alpha=0.3, probe_overhead=0.25)
+    gaps = _probe_gaps(schedule, 400, accepts=lambda i: False)
+    assert gaps[:5] == [4, 8, 16, 32, 64]
+    assert set(gaps[5:]) == {64}
+
+
+def test_a_probe_that_turns_speculation_on_restores_the_first_spacing():
+    """Once a probe finds the draft worth running again (its estimate of alpha high enough),
+    drafting resumes and later probes start from the first spacing again."""
+    schedule = AdaptiveSchedule(CHEAP_DRAFT, prior_alpha=0.05, prior_weight=20)
+    assert schedule.next_k() == 0
+    first = schedule.probe_every
+    gaps = _probe_gaps(schedule, 200, accepts=lambda i: i >= 3)  # the text turns draftable
+    assert gaps[:4] == [first, 2 * first, 4 * first, 8 * first]
+    assert schedule.probe_every == first
+    assert schedule.next_k() > 0  # speculating again
 
 
 def test_probes_are_rare_when_a_multi_token_run_is_slow():

@@ -108,7 +108,10 @@ class AdaptiveSchedule:
     is off (k = 0) nothing is learnt, so now and then one round with k = 1 checks whether the
     draft has become useful again; probes are spaced so that they cost at most
     ``probe_overhead`` of the target-only time (a graph whose multi-token runs are slow, like
-    int4 MatMulNBits on some CPUs, is probed rarely).
+    int4 MatMulNBits on some CPUs, is probed rarely). A probe that leaves speculation off
+    doubles the spacing (up to ``max_backoff`` times the first), so a drafter that guesses
+    nothing (an untrained draft, a lookup in text that never repeats) costs ever less; a probe
+    that turns speculation back on, or a round the schedule chose itself, restores it.
     """
 
     def __init__(
@@ -119,32 +122,44 @@ class AdaptiveSchedule:
         decay: float = 0.9,
         probe_overhead: float = 0.05,
         sampled: bool = False,
+        max_backoff: int = 16,
     ):
         self.costs, self.decay, self.sampled = costs, decay, sampled
         self.accepted, self.looked_at = prior_alpha * prior_weight, prior_weight
         extra_ms = costs.round_ms(1) - costs.target_ms[0]  # a probe against a plain step
-        self.probe_every = max(4, math.ceil(extra_ms / (probe_overhead * costs.target_ms[0])))
+        self.first_spacing = max(4, math.ceil(extra_ms / (probe_overhead * costs.target_ms[0])))
+        self.probe_every = self.first_spacing  # plain steps between two probes
+        self.max_spacing = max_backoff * self.first_spacing
         self.steps_off = 0
+        self.probing = False  # the round asked for last is a probe
 
     @property
     def alpha(self) -> float:
         return self.accepted / self.looked_at
 
-    def next_k(self) -> int:
+    def best_k(self) -> int:
+        """The k of the highest expected tokens/ms at the current alpha (0: speculation off)."""
         rates = [self.costs.tokens_per_ms(self.alpha, k, self.sampled)
                  for k in range(self.costs.kmax + 1)]
-        best = max(range(len(rates)), key=rates.__getitem__)
-        if best == 0 and self.steps_off >= self.probe_every:
-            return 1
-        return best
+        return max(range(len(rates)), key=rates.__getitem__)
+
+    def next_k(self) -> int:
+        best = self.best_k()
+        self.probing = best == 0 and self.steps_off >= self.probe_every
+        return 1 if self.probing else best
 
     def update(self, k: int, n_accepted: int) -> None:
-        if k == 0:
+        if k == 0:  # a plain step (or a lookup that found nothing to propose)
             self.steps_off += 1
             return
         self.steps_off = 0
         self.accepted = self.decay * self.accepted + n_accepted
         self.looked_at = self.decay * self.looked_at + n_accepted + (n_accepted < k)
+        if self.probing and self.best_k() == 0:  # the probe found nothing worth drafting
+            self.probe_every = min(2 * self.probe_every, self.max_spacing)
+        else:
+            self.probe_every = self.first_spacing
+        self.probing = False
 
 
 def calibrate(
