@@ -195,6 +195,20 @@ class Served:
             self.process.wait(10)
 
 
+def raw(served: Served, timeout_s: float = 30) -> socket.socket:
+    """A plain TCP connection to the server, each read and write bounded by ``timeout_s``."""
+    return socket.create_connection(("127.0.0.1", served.port), timeout=timeout_s)
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (a read that waits past the
+    socket's timeout fails)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
 def _children(pid: int) -> list[tuple[int, str]]:
     """The pids and states (R running, S sleeping, ...) of the processes whose parent is
     ``pid``."""

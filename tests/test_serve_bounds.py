@@ -15,7 +15,7 @@ import threading
 
 import httpx
 import pytest
-from serve_helpers import Served, wait_until
+from serve_helpers import Served, raw, read_all, wait_until
 from starlette.testclient import TestClient
 
 import edgespec
@@ -238,17 +238,6 @@ def test_a_client_looping_oversized_requests_kills_no_child_and_keeps_no_memory(
     assert loop(100) == {(path, "context_length_exceeded") for path, _ in bodies}
     assert held.text_child() == child
     assert held.memory_mb() - before < 20
-
-
-def raw(served: Served) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", served.port), timeout=30)
-
-
-def read_all(sock: socket.socket) -> bytes:
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    return data
 
 
 def request_bytes(body: dict, path: str = "/v1/completions") -> bytes:

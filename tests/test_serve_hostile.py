@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import AuthenticationError, OpenAI
-from serve_helpers import Served, wait_until, with_normalizer, with_template
+from serve_helpers import Served, raw, read_all, wait_until, with_normalizer, with_template
 
 import edgespec
 from edgespec.models import demo_package
@@ -41,19 +41,6 @@ def server():
     served = Served("--read-timeout", str(READ_TIMEOUT), "--limit-concurrency", "40")
     yield served
     served.stop()
-
-
-def raw(server: Served) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-    return sock
-
-
-def read_all(sock: socket.socket) -> bytes:
-    """What the server sends until it closes the connection (10 s at most)."""
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    return data
 
 
 def status_and_error(answer: bytes) -> tuple[int, dict]:
