@@ -61,6 +61,7 @@ class ServeConfig:
         for name, low in (("queue", 0), ("max_body", 1), ("max_tokens", 1),
                           ("limit_concurrency", 1)):
             value = getattr(self, name)
+            # TODO(merge, issue 26): runtime's one int check, once it has one
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
         for name in ("request_timeout_s", "read_timeout_s", "keep_alive_s",

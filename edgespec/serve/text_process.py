@@ -227,6 +227,8 @@ class _Child:
     def _tokenize(self, text: str, specials: bool) -> list[int]:
         """As Pipeline.encode: the text's ids without the tokenizer's own special tokens, BOS
         first where the package's tokenizer adds one (tests/test_serve_guards.py compares)."""
+        # TODO(merge, issue 26): runtime's one home for the BOS rule (Pipeline.encode states it
+        # too); the child cannot load a Pipeline, so it needs a function of (manifest, ids)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         bos = self.manifest.bos_token_id
         if specials and self.manifest.add_bos_token and bos is not None:
