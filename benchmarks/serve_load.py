@@ -36,9 +36,9 @@ def start_server(package: str | None, queue: int) -> tuple[subprocess.Popen, str
     def read() -> None:
         nonlocal url
         for line in process.stderr:
-            found = re.search(r"(http://[^ ]+)/v1", line)
-            url = url or (found and found.group(1))
-            if "startup complete" in line:
+            found = re.search(r"^serving .* at (http://[^ ]+)/v1", line)
+            if found:  # printed once the socket listens, after uvicorn's start-up lines
+                url = found.group(1)
                 ready.set()
         ready.set()
 

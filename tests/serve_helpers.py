@@ -178,7 +178,16 @@ class Served:
     def text_child_running(self) -> bool:
         """Whether the server's tokenizer and template child is running (busy with a
         request), not asleep on its stdin (Linux: /proc)."""
-        return any(state == "R" for state in _children_states(self.process.pid))
+        return any(state == "R" for _, state in _children(self.process.pid))
+
+    def text_child(self) -> int | None:
+        """The pid of the server's tokenizer and template child (Linux: /proc)."""
+        return next((pid for pid, _ in _children(self.process.pid)), None)
+
+    def memory_mb(self) -> float:
+        """Resident memory of the server and its child, in MB (Linux: /proc)."""
+        pids = [self.process.pid, *(pid for pid, _ in _children(self.process.pid))]
+        return sum(_rss_kb(pid) for pid in pids) / 1024
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -186,17 +195,40 @@ class Served:
             self.process.wait(10)
 
 
-def _children_states(pid: int) -> list[str]:
-    """The states (R running, S sleeping, ...) of the processes whose parent is ``pid``."""
-    states = []
+def raw(served: Served, timeout_s: float = 30) -> socket.socket:
+    """A plain TCP connection to the server, each read and write bounded by ``timeout_s``."""
+    return socket.create_connection(("127.0.0.1", served.port), timeout=timeout_s)
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (a read that waits past the
+    socket's timeout fails)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """The pids and states (R running, S sleeping, ...) of the processes whose parent is
+    ``pid``."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:  # ended meanwhile
             continue
         if int(fields[1]) == pid:
-            states.append(fields[0])
-    return states
+            found.append((int(stat.parent.name), fields[0]))
+    return found
+
+
+def _rss_kb(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return int(status.split("VmRSS:")[1].split()[0])
 
 
 def _connects(host: str, port: int) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import AuthenticationError, OpenAI
-from serve_helpers import Served, wait_until, with_normalizer, with_template
+from serve_helpers import Served, raw, read_all, wait_until, with_normalizer, with_template
 
 import edgespec
 from edgespec.models import demo_package
@@ -41,19 +41,6 @@ def server():
     served = Served("--read-timeout", str(READ_TIMEOUT), "--limit-concurrency", "40")
     yield served
     served.stop()
-
-
-def raw(server: Served) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-    return sock
-
-
-def read_all(sock: socket.socket) -> bytes:
-    """What the server sends until it closes the connection (10 s at most)."""
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    return data
 
 
 def status_and_error(answer: bytes) -> tuple[int, dict]:
@@ -121,22 +108,6 @@ def test_huge_headers_are_a_431(server):
         status, error = status_and_error(read_all(sock))
     assert status == 431 and error["code"] == "request_header_fields_too_large"
     assert server.health()["status"] == "ok"
-
-
-def test_connections_past_the_limit_get_503(tmp_path):
-    served = Served("--limit-concurrency", "3")
-    try:
-        idle = [raw(served) for _ in range(3)]
-        # the server takes the three connections in as its loop gets to them
-        refused = wait_until(lambda: (r := httpx.get(f"{served.url}/health")).status_code == 503
-                             and r, "refused a connection past the limit")
-        assert refused.status_code == 503
-        for sock in idle:
-            sock.close()
-        wait_until(lambda: httpx.get(f"{served.url}/health").status_code == 200,
-                   "answered again once the connections closed")
-    finally:
-        served.stop()
 
 
 def test_big_prompts_are_refused_at_once_and_memory_comes_back(server, demo):

@@ -24,7 +24,8 @@ _SERVE = ServeConfig()  # the server's defaults (edgespec/serve/config.py, no he
                                    "name, e.g. demo]")
 @click.option("--api-key", envvar="EDGESPEC_API_KEY", show_envvar=True,
               help="Require 'Authorization: Bearer KEY' (the openai client's api_key) on "
-                   "every request but GET /health.")
+                   "every request but GET /health. Printable ASCII; spaces around it are "
+                   "dropped.")
 @click.option("--allowed-hosts", multiple=True, metavar="HOST[,HOST...]",
               help="Host header values to answer besides the loopback names and --host "
                    "(the names clients use to reach a server on the network); '*': any.")
@@ -43,12 +44,14 @@ _SERVE = ServeConfig()  # the server's defaults (edgespec/serve/config.py, no he
               help="Largest request body in bytes; larger ones are answered 413.")
 @click.option("--read-timeout", default=_SERVE.read_timeout_s, show_default=True,
               type=click.FloatRange(0, min_open=True),
-              help="Seconds a client has to send a request's headers, and again its body.")
+              help="Seconds a client has to send a request's headers, again its body, and to "
+                   "read more of an answer that fills the socket's buffers.")
 @click.option("--keep-alive", default=_SERVE.keep_alive_s, show_default=True,
               type=click.FloatRange(0, min_open=True),
               help="Seconds an idle connection stays open.")
 @click.option("--limit-concurrency", default=_SERVE.limit_concurrency, show_default=True,
-              type=click.IntRange(1), help="Connections at once; more are answered 503.")
+              type=click.IntRange(1),
+              help="Connections at once; more are answered 503 with Retry-After.")
 @click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDERS))
 @click.option("--draft-provider", type=click.Choice(PROVIDERS),
               help="Where the draft runs, if not where the target does.")
@@ -68,7 +71,8 @@ def serve(package: Path | None, host: str, port: int, model_name: str | None,
         request_timeout_s=request_timeout, read_timeout_s=read_timeout,
         keep_alive_s=keep_alive, limit_concurrency=limit_concurrency,
         allowed_hosts=hosts_for(host, _listed(allowed_hosts)),
-        allowed_origins=_listed(allowed_origins), api_key=api_key)
+        allowed_origins=_listed(allowed_origins),
+        api_key=None if api_key is None else api_key.strip())
     sock = serving.server.bind(host, port)  # first: a port in use is reported at once
     try:
         pipe = runtime().load(package or demo_package(), provider=provider,

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
@@ -36,11 +35,11 @@ from starlette.routing import Route
 
 from edgespec.config import resolve_sampling
 from edgespec.errors import EdgespecError
-from edgespec.runtime.pipeline import Pipeline, check_ids, check_text
-from edgespec.serve import middleware
-from edgespec.serve.chat import ChatTemplate, ChatTemplateError
+from edgespec.runtime.pipeline import Pipeline, check_ids
+from edgespec.serve import middleware, prompts
+from edgespec.serve.chat import ChatTemplate
 from edgespec.serve.config import ServeConfig
-from edgespec.serve.errors import HANDLERS, ApiError, parse, shutting_down
+from edgespec.serve.errors import HANDLERS, ApiError, parse, shown, shutting_down
 from edgespec.serve.metrics import Metrics, RequestMetrics
 from edgespec.serve.responses import Reply, respond
 from edgespec.serve.schemas import (
@@ -50,13 +49,10 @@ from edgespec.serve.schemas import (
     Settings,
     TokenizeRequest,
 )
-from edgespec.serve.text_process import TextProcess, TokenizerError
+from edgespec.serve.text_process import TextProcess
 from edgespec.serve.worker import Busy, Closing, Job, Worker
 
-log = logging.getLogger("edgespec.serve")
-
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -70,7 +66,8 @@ class Server:
     template: ChatTemplate | None
     text: TextProcess  # tokenizing and chat templates, in a child process
     metrics: Metrics
-    max_prompt_chars: int  # no longer text can fit the context window
+    max_prompt_chars: int  # no text longer, in characters or in UTF-8 bytes, can fit the
+    max_prompt_bytes: int  # context window (text_bounds)
     created: int = field(default_factory=lambda: int(time.time()))
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -87,19 +84,19 @@ def build_app(pipe: Pipeline, config: ServeConfig | None = None) -> Starlette:
     """The ASGI app serving ``pipe`` with ``config``'s options (ServeConfig's defaults: the
     model named after the package folder, 8 requests waiting at most, loopback hosts only)."""
     config = config or ServeConfig()
-    max_chars = pipe.manifest.max_positions * longest_token(pipe)
+    max_chars, max_bytes = prompts.text_bounds(pipe)
     template = ChatTemplate.of_package(pipe.path, pipe.manifest, max_chars)
     source = None if template is None else (
         pipe.path / pipe.manifest.chat_template).read_text(encoding="utf-8")
     text = TextProcess(pipe.path, template, source, config.template_timeout_s,
-                       config.tokenize_timeout_s)
+                       config.tokenize_timeout_s, max_chars, pipe.manifest.max_positions)
     paths = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
              "/tokenize", "/detokenize"}
     metrics = Metrics(paths)
     worker = Worker(config.queue, on_result=metrics.record)
     metrics.watch_queue(worker.counts)
     server = Server(pipe, config.model or pipe.path.resolve().name, config, worker, template,
-                    text, metrics, max_chars)
+                    text, metrics, max_chars, max_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -127,12 +124,6 @@ def build_app(pipe: Pipeline, config: ServeConfig | None = None) -> Starlette:
     return app
 
 
-def longest_token(pipe: Pipeline) -> int:
-    """The most characters one token of the package's tokenizer stands for (at least 1)."""
-    vocab = pipe.tokenizer.get_vocab(with_added_tokens=True)
-    return max(1, max((len(token) for token in vocab), default=1))
-
-
 async def health(server: Server, request: Request) -> JSONResponse:
     return JSONResponse({"status": "stopping" if server.stopping.is_set() else "ok",
                          "model": server.model, **server.worker.counts(),
@@ -158,9 +149,9 @@ async def completions(server: Server, request: Request) -> Response:
     _check_settings(server, body)
     prompt = body.single_prompt()
     max_tokens = _max_tokens(server, body.max_tokens, "max_tokens") or COMPLETION_MAX_TOKENS
-    _check_chars(server, prompt, "prompt")
+    prompts.check_length(server, prompt, "prompt")
     async with _admitted(server) as job:
-        ids = await _prompt_ids(server, prompt, "prompt")
+        ids = await prompts.prompt_ids(server, prompt, "prompt")
         # text goes to the pipeline as text, which token healing needs (ids are never healed)
         _start(server, job, body, prompt, ids, max_tokens)
     return await _respond(server, request, body, job, chat=False)
@@ -173,7 +164,7 @@ async def chat_completions(server: Server, request: Request) -> Response:
     asked = (_max_tokens(server, body.max_completion_tokens, "max_completion_tokens")
              or _max_tokens(server, body.max_tokens, "max_tokens"))
     async with _admitted(server) as job:
-        ids = await _chat_ids(server, body.messages)
+        ids = await prompts.chat_ids(server, body.messages)
         # default: the rest of the context window, where OpenAI's models stop too, within the
         # server's cap, so that one chat cannot hold the generation for the whole context
         rest = server.pipe.manifest.max_positions - len(ids)
@@ -190,10 +181,10 @@ async def tokenize(server: Server, request: Request) -> JSONResponse:
     async with _admitted(server):
         if body.messages is not None:
             _check_template(server)
-            ids = await _chat_ids(server, body.messages)
+            ids = await prompts.chat_ids(server, body.messages)
         else:
-            _check_chars(server, body.prompt, "prompt")
-            ids = await _prompt_ids(server, body.prompt, "prompt")
+            prompts.check_length(server, body.prompt, "prompt")
+            ids = await prompts.prompt_ids(server, body.prompt, "prompt")
     return JSONResponse({"tokens": ids, "count": len(ids),
                          "max_model_len": server.pipe.manifest.max_positions})
 
@@ -201,12 +192,17 @@ async def tokenize(server: Server, request: Request) -> JSONResponse:
 async def detokenize(server: Server, request: Request) -> JSONResponse:
     body = parse(DetokenizeRequest, await _read_body(request, server))
     _check_model(server, body.model)
+    limit = server.pipe.manifest.max_positions  # bounds the answer: 1 MB of ids is no 9 MB
+    if len(body.tokens) > limit:
+        raise ApiError(400, f"tokens has {len(body.tokens)} ids, more than the context window "
+                       f"of {limit}; detokenize at most {limit} at a time", "tokens",
+                       "context_length_exceeded")
     try:
         ids = check_ids(body.tokens, server.pipe.manifest.vocab_size)
     except EdgespecError as e:
         raise ApiError(400, str(e), "tokens") from None
     async with _admitted(server):
-        text = await _unless_stopping(server, server.text.decode(ids))
+        text = await prompts.unless_stopping(server, server.text.decode(ids))
     return JSONResponse({"prompt": text})
 
 
@@ -245,7 +241,7 @@ async def _read_body(request: Request, server: Server) -> bytes:
 
 def _check_model(server: Server, model: str) -> None:
     if model != server.model:
-        raise ApiError(404, f"the model {model!r} does not exist; this server has "
+        raise ApiError(404, f"the model {shown(model)} does not exist; this server has "
                        f"{server.model!r} (GET /v1/models)", "model", "model_not_found")
 
 
@@ -273,15 +269,6 @@ def _max_tokens(server: Server, asked: int | None, param: str) -> int | None:
     return asked
 
 
-def _check_chars(server: Server, prompt: str | list[int], param: str) -> None:
-    """Refuse, before tokenizing, a text too long for any tokenization of it to fit."""
-    limit = server.max_prompt_chars
-    if isinstance(prompt, str) and len(prompt) > limit:
-        raise ApiError(400, f"the {param} has {len(prompt)} characters, more than the {limit} "
-                       f"that the context window of {server.pipe.manifest.max_positions} "
-                       "tokens can hold; shorten it", param, "context_length_exceeded")
-
-
 @contextlib.asynccontextmanager
 async def _admitted(server: Server) -> AsyncIterator[Job]:
     """A place in the queue, from before the prompt is tokenized until the generation ends
@@ -291,7 +278,7 @@ async def _admitted(server: Server) -> AsyncIterator[Job]:
     except Busy:
         raise ApiError(429, f"the server is busy: {server.worker.capacity} requests are "
                        "running or waiting; retry later", None, "queue_full", "server_error",
-                       {"Retry-After": str(RETRY_AFTER_S)}) from None
+                       {"Retry-After": str(middleware.RETRY_AFTER_S)}) from None
     except Closing:
         raise shutting_down() from None
     try:
@@ -299,65 +286,6 @@ async def _admitted(server: Server) -> AsyncIterator[Job]:
     finally:
         if job.stream is None:
             server.worker.release(job)
-
-
-async def _unless_stopping(server: Server, awaitable: Awaitable):
-    """The awaitable's result, or a 503 (the awaitable cancelled) if the server stops first."""
-    task = asyncio.ensure_future(awaitable)
-    stopping = asyncio.ensure_future(server.stopping.wait())
-    try:
-        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
-        if not task.done():
-            task.cancel()
-    if server.stopping.is_set():
-        raise shutting_down()
-    try:
-        return task.result()
-    except TokenizerError as e:
-        log.error("the tokenizer failed: %s", e)
-        raise ApiError(500, f"the model's tokenizer failed: {e}", None, "tokenizer_error",
-                       "server_error") from None
-
-
-async def _chat_ids(server: Server, messages: list) -> list[int]:
-    """The conversation rendered with the package's chat template and tokenized (in the
-    child process); every fault of the template a 400 naming it."""
-    try:
-        ids = await _unless_stopping(server, server.text.render(
-            [m.as_template_input() for m in messages]))
-    except ChatTemplateError as e:
-        raise ApiError(400, str(e), "messages", "chat_template_error") from None
-    return _check_ids(server, ids, "messages")
-
-
-async def _prompt_ids(server: Server, prompt: str | list[int], param: str) -> list[int]:
-    """The prompt's ids as Pipeline.encode makes them: text tokenized (in the child
-    process), ids checked to be in the vocabulary; refused if they fill the context."""
-    if isinstance(prompt, list):
-        return _check_ids(server, prompt, param)
-    try:
-        check_text(prompt)
-    except EdgespecError as e:
-        raise ApiError(400, str(e), param) from None
-    ids = await _unless_stopping(server, server.text.encode(prompt))
-    if not ids:
-        raise ApiError(400, f"the {param} is empty; give at least one character", param)
-    return _check_ids(server, ids, param)
-
-
-def _check_ids(server: Server, ids: list[int], param: str) -> list[int]:
-    try:
-        ids = check_ids(ids, server.pipe.manifest.vocab_size)
-    except EdgespecError as e:
-        raise ApiError(400, str(e), param) from None
-    limit = server.pipe.manifest.max_positions
-    if len(ids) >= limit:
-        what = "conversation" if param == "messages" else param
-        raise ApiError(400, f"the {what} has {len(ids)} tokens but the context window is "
-                       f"{limit}; shorten it", param, "context_length_exceeded")
-    return ids
 
 
 # OpenAI's sampling defaults, for a package whose target brought none (vLLM does the same)

@@ -98,6 +98,7 @@ def _sized(value) -> bool:
 
 
 def _is_int(value) -> bool:
+    # TODO(merge, issue 26): runtime's one int check, once it has one (Jinja gives Python ints)
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -26,13 +26,16 @@ class ServeConfig:
         (with the rest of the context window, if smaller).
     request_timeout_s: the longest one generation may run; it then ends as at max_tokens.
     read_timeout_s: the longest a client may take to send a request's headers, and again its
-        body (408 past it).
+        body (408 past it), and to take in more of an answer once the socket's buffers are
+        full (it is disconnected past it).
     keep_alive_s: how long an idle connection stays open between requests.
-    limit_concurrency: connections and requests at once; past it, 503 before the app.
+    limit_concurrency: connections and requests at once; past it, 503 (with Retry-After)
+        before the app.
     allowed_hosts: the Host header values answered ("*": any); others get 400.
     allowed_origins: the web origins allowed to call through CORS (none: no CORS headers,
         so no page of another origin can read an answer or send JSON).
-    api_key: when set, every request but GET /health needs ``Authorization: Bearer KEY``.
+    api_key: when set, every request but GET /health needs ``Authorization: Bearer KEY``;
+        printable ASCII, without whitespace at either end.
     template_timeout_s: the longest a chat template may take to render one conversation.
     tokenize_timeout_s: the longest the tokenizer may take over one prompt.
     shutdown_s: on SIGTERM / Ctrl-C, how long answers already under way may take to finish
@@ -58,6 +61,7 @@ class ServeConfig:
         for name, low in (("queue", 0), ("max_body", 1), ("max_tokens", 1),
                           ("limit_concurrency", 1)):
             value = getattr(self, name)
+            # TODO(merge, issue 26): runtime's one int check, once it has one
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
         for name in ("request_timeout_s", "read_timeout_s", "keep_alive_s",
@@ -65,8 +69,8 @@ class ServeConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ConfigError("api_key must not be empty; leave it out to serve without one")
+        if self.api_key is not None:
+            check_api_key(self.api_key)
         for host in self.allowed_hosts:
             if "*" in host[1:] or (host.startswith("*") and host != "*"
                                    and not host.startswith("*.")):
@@ -81,6 +85,19 @@ class ServeConfig:
         """Whether ``given`` is the API key, compared in constant time."""
         return self.api_key is not None and hmac.compare_digest(given.encode(),
                                                                 self.api_key.encode())
+
+
+def check_api_key(key: str) -> None:
+    """Refuse a key that a client could not send as it is: HTTP headers carry printable ASCII
+    (the openai client refuses anything else), and a client strips the spaces around it."""
+    if not key.strip():
+        raise ConfigError("the API key must not be empty; leave it out to serve without one")
+    if key != key.strip():
+        raise ConfigError("the API key must not start or end with whitespace")
+    bad = next((c for c in key if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise ConfigError(f"the API key must be printable ASCII (it travels in an HTTP header), "
+                          f"not {bad!r}")
 
 
 def hosts_for(bound: str, extra: tuple[str, ...] = ()) -> tuple[str, ...]:

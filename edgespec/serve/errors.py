@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from edgespec.errors import EdgespecError, ManifestError
-from edgespec.serve.middleware import error_body
+from edgespec.serve.middleware import CLIENT_GONE, error_body
 from edgespec.serve.worker import Cancelled, NativeFault
 
 log = logging.getLogger("edgespec.serve")
@@ -55,6 +55,13 @@ class ApiError(Exception):
 def shutting_down() -> ApiError:
     return ApiError(503, "the server is stopping; retry on another instance or later", None,
                     "shutting_down", "server_error")
+
+
+def client_gone() -> ApiError:
+    """The answer to a request whose client left before it (nobody reads it; /metrics counts
+    it as the client's, 499 as nginx names it, not as the server's 5xx)."""
+    return ApiError(CLIENT_GONE, "the client closed the connection before its answer", None,
+                    "client_closed_request")
 
 
 def shown(value) -> str:

@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from edgespec.runtime.pipeline import GenerationResult
+from edgespec.serve.middleware import CLIENT_GONE
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -66,7 +67,9 @@ class Metrics:
 
 
 class RequestMetrics:
-    """Count every answer by endpoint and status, and time it."""
+    """Count every answer by endpoint and status, and time it. A request whose client left
+    before the end of its answer (a stream included) is counted under CLIENT_GONE, the
+    client's doing, whatever status its answer began with or would have had."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics):
         self.app, self.metrics = app, metrics
@@ -74,17 +77,26 @@ class RequestMetrics:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        start, status = time.perf_counter(), {"code": 500}
+        start, status = time.perf_counter(), {"code": 500, "answered": False, "gone": False}
         path = scope["path"]
         endpoint = path if path in self.metrics.endpoints else "other"
 
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                status["answered"] = True
             await send(message)
 
+        async def watched() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not status["answered"]:
+                status["gone"] = True
+            return message
+
         try:
-            await self.app(scope, receive, counted)
+            await self.app(scope, watched, counted)
         finally:
-            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+            code = CLIENT_GONE if status["gone"] else status["code"]
+            self.metrics.requests.labels(endpoint, str(code)).inc()
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)

@@ -34,6 +34,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from edgespec.serve.config import ServeConfig
 
 HEAD_BYTES = 16 * 1024  # the largest request line and headers: 431 past it
+RETRY_AFTER_S = 1  # what a 429 or a 503 for too many connections asks a client to wait
+CLIENT_GONE = 499  # nginx's "client closed request": /metrics counts a client that left so
 OPEN_PATHS = ("/health",)  # answered without the API key: liveness probes carry none
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 # Starlette's plain-text refusals, said as OpenAI would say them: (message, code)

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from edgespec.runtime.pipeline import GenerationResult
-from edgespec.serve.errors import ApiError, bug, generation_error
+from edgespec.serve.errors import ApiError, bug, client_gone, generation_error
 from edgespec.serve.metrics import Metrics
 from edgespec.serve.schemas import Settings
 from edgespec.serve.worker import TIME_LIMIT, Job
@@ -37,6 +37,8 @@ async def respond(request: Request, body: Settings, job: Job, reply: Reply) -> R
     try:
         result = await job.result()
     except Exception as e:
+        if watcher.done() and not watcher.cancelled():  # the client left: it cancelled the job
+            raise client_gone() from None
         raise generation_error(e) from None
     finally:
         watcher.cancel()
@@ -44,7 +46,9 @@ async def respond(request: Request, body: Settings, job: Job, reply: Reply) -> R
 
 
 async def cancel_on_disconnect(request: Request, job: Job) -> None:
-    """Cancel the job if the client goes away while it waits for its answer."""
+    """Cancel the job if the client goes away while it waits for its answer (a client that
+    only closed its side of the connection once its request was sent still waits: server.py
+    keeps such a connection open for the answer)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":

@@ -123,6 +123,17 @@ class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # function calling, which edgespec does not render: refused, never dropped in silence
+    tool_calls: list | None = None
+    function_call: dict | None = None
+
+    def unsupported(self) -> str | None:
+        """The function-calling field this message carries, or None."""
+        if self.tool_calls:
+            return "tool_calls"
+        if self.function_call is not None:
+            return "function_call"
+        return None
 
     def as_template_input(self) -> dict:
         """The message as chat templates read it: role and content as one string."""
@@ -142,11 +153,26 @@ class ChatCompletionRequest(Settings):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    functions: list[dict] | None = None  # the older names of tools and tool_choice
+    function_call: str | dict | None = None
     response_format: dict | None = None
+    modalities: list[str] | None = None
+    top_logprobs: int | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools or self.tool_choice not in (None, "none"):
             return "tools", "tools (function calling) are not supported"
+        if self.functions or self.function_call not in (None, "none"):
+            return ("functions" if self.functions else "function_call",
+                    "functions and function_call (function calling) are not supported")
+        for i, message in enumerate(self.messages):
+            if field := message.unsupported():
+                return (f"messages[{i}].{field}", f"{field} in messages (function calling) "
+                        "are not supported; send the calls' results as text")
+        if self.modalities not in (None, ["text"]):
+            return "modalities", 'modalities other than ["text"] are not supported'
+        if self.top_logprobs is not None:
+            return "top_logprobs", "top_logprobs needs logprobs, which are not supported"
         if self.response_format not in (None, {"type": "text"}):
             return "response_format", ("response_format (JSON mode, schemas) is not supported; "
                                        "leave it out or give {\"type\": \"text\"}")

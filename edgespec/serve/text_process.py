@@ -5,12 +5,20 @@ tokenizer's normalizer runs in Rust holding the GIL (the event loop, the signal 
 every other thread wait for it; a backtracking regex takes minutes), a template can loop for
 hours or allocate in C code. The child holds the package's tokenizer and compiled template,
 lives under an address-space limit, and answers one request per line of JSON; the server
-kills it when a request passes its time limit, when the request that waits for it goes away,
-or when the server stops, and starts a new one for the next request.
+kills it only for a fault: when a request passes its time limit, when the request that waits
+for it goes away, when its reply is not what it should be, or when the server stops, and
+starts a new one for the next request.
 
-    parent -> child   {"package", "template", "name", "max_chars"}       (once)
+Every reply is bounded at its source, so that a valid request never overflows the line the
+parent reads: the child answers at most ``max_ids`` ids (the context window), and only the
+count of a text or a conversation that tokenizes to more; the parent sends at most
+``max_ids`` ids to decode, whose text is at most ``max_chars`` characters (the longest token
+times the context window).
+
+    parent -> child   {"package", "template", "name", "max_chars", "max_ids"}   (once)
     parent -> child   {"encode": text} | {"render": messages} | {"decode": ids}
-    child  -> parent  {"ids": [...]} | {"text": ...} | {"error": ..., "kind": "template"|"native"}
+    child  -> parent  {"ids": [...]} | {"count": n} (more than max_ids) | {"text": ...}
+                      | {"error": ..., "kind": "template"|"native"}
 """
 
 from __future__ import annotations
@@ -27,38 +35,56 @@ from edgespec.errors import EdgespecError
 from edgespec.serve.chat import ChatTemplate, ChatTemplateError, one_line
 
 MEMORY_BYTES = 1 << 30  # address space the child may add to what it holds after start-up
+PART_IDS = 4  # characters per id of a long text's first part, counted before the whole
 
 
 class TokenizerError(EdgespecError):
     """The package's tokenizer failed, panicked, or passed its time or memory limit."""
 
 
+class TooManyTokens(EdgespecError):
+    """A text or a conversation tokenizes to more ids than the context window holds: to
+    ``count`` of them, or (``partial``) at least as many (counted on a part of it)."""
+
+    def __init__(self, count: int, limit: int, partial: bool = False):
+        super().__init__(f"{'at least ' if partial else ''}{count} tokens, more than the "
+                         f"context window of {limit}")
+        self.count, self.limit, self.partial = count, limit, partial
+
+
 class TextProcess:
     """The parent's side: one request at a time in the child, each with a time limit."""
 
     def __init__(self, package: Path, template: ChatTemplate | None, source: str | None,
-                 template_timeout_s: float, tokenize_timeout_s: float):
+                 template_timeout_s: float, tokenize_timeout_s: float, max_chars: int,
+                 max_ids: int):
         self.template = template
         self.template_timeout_s, self.tokenize_timeout_s = template_timeout_s, tokenize_timeout_s
-        self.max_chars = template.max_chars if template is not None else 1 << 20
+        self.max_chars, self.max_ids = max_chars, max_ids
         self._hello = json.dumps({"package": str(package), "template": source,
                                   "name": template.name if template else None,
-                                  "max_chars": self.max_chars})
+                                  "max_chars": max_chars, "max_ids": max_ids})
         self._process: asyncio.subprocess.Process | None = None
-        self._killed: list[asyncio.subprocess.Process] = []  # to reap in close()
+        self._reaping: set[asyncio.Task] = set()  # killed children not yet waited for
         self._lock: asyncio.Lock | None = None
 
     async def encode(self, text: str) -> list[int]:
         """The ids of a prompt, as ``Pipeline.encode`` makes them (BOS where the tokenizer
-        adds one); a TokenizerError if the tokenizer fails or passes its limits."""
+        adds one); TooManyTokens past ``max_ids``; a TokenizerError if the tokenizer fails or
+        passes its limits."""
         return await self._ask({"encode": text}, self.tokenize_timeout_s, "tokenizer")
 
     async def render(self, messages: list[dict]) -> list[int]:
         """The ids of a conversation rendered with the chat template, tokenized without
-        special tokens (the template writes them); a ChatTemplateError naming the template."""
+        special tokens (the template writes them); TooManyTokens past ``max_ids``; a
+        ChatTemplateError naming the template."""
         return await self._ask({"render": messages}, self.template_timeout_s, "template")
 
     async def decode(self, ids: list[int]) -> str:
+        """The text of at most ``max_ids`` ids (a ValueError for more: the caller refuses
+        them)."""
+        if len(ids) > self.max_ids:
+            raise ValueError(f"decode takes at most {self.max_ids} ids, got {len(ids)}")
         return await self._ask({"decode": ids}, self.tokenize_timeout_s, "tokenizer")
 
     async def _ask(self, request: dict, timeout_s: float, what: str):
@@ -80,11 +106,14 @@ class TextProcess:
                 raise
             if not line:
                 self.kill()
-                raise self._fault(what, "stopped its process (out of memory, or crashed)")
+                raise self._fault(what, "stopped its process (out of memory, or crashed), or "
+                                        "answered past its bounds")
         reply = json.loads(line)
         if "error" in reply:
             error = ChatTemplateError if reply["kind"] == "template" else TokenizerError
             raise error(reply["error"])
+        if "count" in reply:
+            raise TooManyTokens(reply["count"], self.max_ids, reply.get("partial", False))
         return reply["ids"] if "ids" in reply else reply["text"]
 
     def _fault(self, what: str, how: str) -> EdgespecError:
@@ -103,9 +132,14 @@ class TextProcess:
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.DEVNULL, env=env,
                 start_new_session=True,  # Ctrl-C reaches the server, which ends the child
-                limit=12 * self.max_chars + 4096)  # a reply: the text or ids, as JSON
+                limit=self._reply_bytes())
             self._process.stdin.write(self._hello.encode() + b"\n")
         return self._process
+
+    def _reply_bytes(self) -> int:
+        """The longest reply line: max_chars of text, each character at most 12 bytes of
+        JSON (a surrogate pair escaped), or max_ids ids, each at most 11 bytes with ", "."""
+        return max(12 * self.max_chars, 11 * self.max_ids) + 4096
 
     async def start(self) -> None:
         """Start the child ahead of the first request."""
@@ -116,17 +150,19 @@ class TextProcess:
     async def close(self) -> None:
         """End the child and wait for it, so that nothing of it outlives the event loop."""
         self.kill()
-        for process in self._killed:
-            await process.wait()
-        self._killed.clear()
+        await asyncio.gather(*self._reaping)
 
     def kill(self) -> None:
-        """End the child now (the next request starts another)."""
-        if self._process is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self._process.kill()
-            self._killed.append(self._process)
-        self._process = None
+        """End the child now (the next request starts another); it is waited for in the
+        background, and then nothing of it is kept."""
+        if self._process is None:
+            return
+        process, self._process = self._process, None
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        reaping = asyncio.get_running_loop().create_task(process.wait())
+        self._reaping.add(reaping)
+        reaping.add_done_callback(self._reaping.discard)
 
 
 def _limit_memory() -> None:
@@ -150,6 +186,7 @@ class _Child:
         from edgespec.manifest import Manifest
 
         package = Path(hello["package"])
+        self.max_ids = hello["max_ids"]
         self.manifest = Manifest.read(package)  # loaded and checked by the parent already
         self.tokenizer = Tokenizer.from_file(str(package / self.manifest.tokenizer))
         self.template, self.compile_error = None, None
@@ -168,14 +205,30 @@ class _Child:
                 text = self.template.render(request["render"])
             except ChatTemplateError as e:
                 return {"error": str(e), "kind": "template"}
-            return {"ids": self._tokenize(text, specials=False)}
+            return self._bounded(text, specials=False)
         if "encode" in request:
-            return {"ids": self._tokenize(request["encode"], specials=True)}
+            return self._bounded(request["encode"], specials=True)
         return {"text": self.tokenizer.decode(request["decode"], skip_special_tokens=False)}
+
+    def _bounded(self, text: str, specials: bool) -> dict:
+        """The text's ids, or only their count past max_ids (a reply of bounded length). A
+        long text is first counted on a part of it, cut before a space where pre-tokenizers
+        split (the part's tokens are then the whole's first ones), growing from PART_IDS
+        characters per id: one that is past the window already costs no more to refuse."""
+        size = PART_IDS * self.max_ids
+        while size < len(text):
+            cut = max(text.rfind(space, 0, size) for space in " \n\t")
+            if cut > 0 and (count := len(self._tokenize(text[:cut], specials))) > self.max_ids:
+                return {"count": count, "partial": True}
+            size *= 2
+        ids = self._tokenize(text, specials)
+        return {"ids": ids} if len(ids) <= self.max_ids else {"count": len(ids)}
 
     def _tokenize(self, text: str, specials: bool) -> list[int]:
         """As Pipeline.encode: the text's ids without the tokenizer's own special tokens, BOS
         first where the package's tokenizer adds one (tests/test_serve_guards.py compares)."""
+        # TODO(merge, issue 26): runtime's one home for the BOS rule (Pipeline.encode states it
+        # too); the child cannot load a Pipeline, so it needs a function of (manifest, ids)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         bos = self.manifest.bos_token_id
         if specials and self.manifest.add_bos_token and bos is not None:

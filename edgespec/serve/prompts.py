@@ -1,0 +1,128 @@
+"""A request's prompt or conversation to token ids, within the context window: refused
+before tokenizing when no tokenization of its length could fit (text_bounds), tokenized or
+rendered in the child process (text_process.py) otherwise, and refused from its token count
+past the window; every wait on the child gives way to the server stopping."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
+
+from edgespec.errors import EdgespecError
+from edgespec.runtime.pipeline import Pipeline, check_ids, check_text
+from edgespec.serve.chat import ChatTemplateError
+from edgespec.serve.errors import ApiError, shutting_down
+from edgespec.serve.text_process import TokenizerError, TooManyTokens
+
+if TYPE_CHECKING:
+    from edgespec.serve.app import Server
+
+log = logging.getLogger("edgespec.serve")
+
+# The most a Unicode normalization (NFKC, a case fold) shrinks one character's UTF-8: a 4-byte
+# mathematical letter to an ASCII one
+NORMALIZED_SHRINK = 4
+
+
+def text_bounds(pipe: Pipeline) -> tuple[int, int]:
+    """The longest text, in characters and in UTF-8 bytes, that some tokenization could fit
+    in the context window: the window times the most one token of the vocabulary stands for.
+    A token's string takes at least as many UTF-8 bytes as the text it covers (a byte-level
+    token's characters are one byte each, 1 or 2 in UTF-8; a piece's "▁" is one space), so
+    the bytes catch a text of few characters and many bytes (emoji: 4 bytes, 4 tokens each)
+    before it is tokenized. A tokenizer that normalizes may shrink the text first: its bytes
+    bound is NORMALIZED_SHRINK times looser."""
+    vocab = pipe.tokenizer.get_vocab(with_added_tokens=True)
+    chars = max(1, max((len(token) for token in vocab), default=1))
+    utf8 = max(1, max((len(token.encode("utf-8")) for token in vocab), default=1))
+    if pipe.tokenizer.normalizer is not None:
+        utf8 *= NORMALIZED_SHRINK
+    window = pipe.manifest.max_positions
+    return window * chars, window * utf8
+
+
+def check_length(server: Server, prompt: str | list[int], param: str) -> None:
+    """Refuse, before tokenizing, a text too long for any tokenization of it to fit."""
+    if not isinstance(prompt, str):
+        return
+    size = (len(prompt), "characters", server.max_prompt_chars)
+    if size[0] <= size[2]:
+        size = (len(prompt.encode("utf-8", "surrogatepass")), "bytes of UTF-8",
+                server.max_prompt_bytes)
+    if size[0] > size[2]:
+        raise ApiError(400, f"the {param} has {size[0]} {size[1]}, more than the {size[2]} "
+                       f"that the context window of {server.pipe.manifest.max_positions} "
+                       "tokens can hold; shorten it", param, "context_length_exceeded")
+
+
+async def unless_stopping(server: Server, awaitable: Awaitable):
+    """The awaitable's result, or a 503 (the awaitable cancelled) if the server stops first."""
+    task = asyncio.ensure_future(awaitable)
+    stopping = asyncio.ensure_future(server.stopping.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        if not task.done():
+            task.cancel()
+    if server.stopping.is_set():
+        raise shutting_down()
+    try:
+        return task.result()
+    except TokenizerError as e:
+        log.error("the tokenizer failed: %s", e)
+        raise ApiError(500, f"the model's tokenizer failed: {e}", None, "tokenizer_error",
+                       "server_error") from None
+
+
+async def chat_ids(server: Server, messages: list) -> list[int]:
+    """The conversation rendered with the package's chat template and tokenized (in the
+    child process); every fault of the template a 400 naming it."""
+    try:
+        ids = await unless_stopping(server, server.text.render(
+            [m.as_template_input() for m in messages]))
+    except ChatTemplateError as e:
+        raise ApiError(400, str(e), "messages", "chat_template_error") from None
+    except TooManyTokens as e:
+        raise too_long(server, "messages", e.count, e.partial) from None
+    return check_prompt_ids(server, ids, "messages")
+
+
+async def prompt_ids(server: Server, prompt: str | list[int], param: str) -> list[int]:
+    """The prompt's ids as Pipeline.encode makes them: text tokenized (in the child
+    process), ids checked to be in the vocabulary; refused if they fill the context."""
+    if isinstance(prompt, list):
+        return check_prompt_ids(server, prompt, param)
+    try:
+        check_text(prompt)
+    except EdgespecError as e:
+        raise ApiError(400, str(e), param) from None
+    try:
+        ids = await unless_stopping(server, server.text.encode(prompt))
+    except TooManyTokens as e:
+        raise too_long(server, param, e.count, e.partial) from None
+    if not ids:
+        raise ApiError(400, f"the {param} is empty; give at least one character", param)
+    return check_prompt_ids(server, ids, param)
+
+
+def check_prompt_ids(server: Server, ids: list[int], param: str) -> list[int]:
+    try:
+        ids = check_ids(ids, server.pipe.manifest.vocab_size)
+    except EdgespecError as e:
+        raise ApiError(400, str(e), param) from None
+    if len(ids) >= server.pipe.manifest.max_positions:
+        raise too_long(server, param, len(ids))
+    return ids
+
+
+def too_long(server: Server, param: str, count: int, partial: bool = False) -> ApiError:
+    """OpenAI's refusal of a prompt or conversation that leaves no room to generate
+    (``partial``: it has at least ``count`` tokens)."""
+    what = "conversation" if param == "messages" else param
+    return ApiError(400, f"the {what} has {'at least ' if partial else ''}{count} tokens but "
+                    "the context window is "
+                    f"{server.pipe.manifest.max_positions}; shorten it", param,
+                    "context_length_exceeded")
