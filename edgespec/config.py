@@ -62,14 +62,13 @@ class SamplingConfig:
         return self.temperature == 0
 
 
-def resolve_sampling(given: dict, package: dict, fallback: dict | None = None
-                     ) -> SamplingConfig:
-    """The one precedence rule for sampling settings: those a request gives (None: not given),
-    else the package's defaults (its target's generation_config.json, manifest "generation"),
-    else ``fallback`` (the library and CLI: greedy, SamplingConfig's defaults; the server:
-    OpenAI's temperature 1), field by field, as transformers overrides generation_config."""
+def resolve_sampling(given: dict, package: dict) -> SamplingConfig:
+    """The one precedence rule for sampling settings, on every surface (library, CLI, chat,
+    server): those a request gives (None: not given), else the package's defaults (its
+    target's generation_config.json, manifest "generation"), else SamplingConfig's (greedy),
+    field by field, as transformers overrides generation_config."""
     chosen = {name: value for name, value in given.items() if value is not None}
-    return SamplingConfig(**{**(fallback or {}), **package, **chosen})
+    return SamplingConfig(**{**package, **chosen})
 
 
 @dataclass(frozen=True)

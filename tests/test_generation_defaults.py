@@ -92,16 +92,16 @@ def test_the_command_line_uses_the_defaults_unless_told(sampled_package):
     assert refused.exit_code == 1 and "top_p must be" in refused.output
 
 
-def test_the_server_fills_omitted_settings_from_the_package_then_openai():
+def test_the_server_fills_omitted_settings_from_the_package_then_greedy_as_the_cli_does():
     from types import SimpleNamespace
 
-    from edgespec.serve.app import OPENAI_SAMPLING, _sampling
+    from edgespec.serve.app import _sampling
     from edgespec.serve.schemas import CompletionRequest
 
     def server(generation):
         return SimpleNamespace(pipe=SimpleNamespace(manifest=SimpleNamespace(generation=generation)))
 
     body = CompletionRequest(model="m", prompt="x", top_p=0.5)
-    assert _sampling(server({}), body) == {"top_k": 0, **OPENAI_SAMPLING, "top_p": 0.5}
+    assert _sampling(server({}), body) == {"temperature": 0.0, "top_k": 0, "top_p": 0.5}
     assert _sampling(server({"temperature": 0.7, "top_k": 20, "top_p": 0.9}), body) == {
         "temperature": 0.7, "top_k": 20, "top_p": 0.5}

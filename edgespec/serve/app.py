@@ -33,7 +33,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from edgespec.config import resolve_sampling
+from edgespec.config import NO_DRAFTER, resolve_sampling
 from edgespec.errors import EdgespecError
 from edgespec.runtime.pipeline import Pipeline, check_ids
 from edgespec.serve import middleware, prompts
@@ -288,15 +288,12 @@ async def _admitted(server: Server) -> AsyncIterator[Job]:
             server.worker.release(job)
 
 
-# OpenAI's sampling defaults, for a package whose target brought none (vLLM does the same)
-OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}
-
-
 def _sampling(server: Server, body: Settings) -> dict:
     """The request's sampling settings; those it omits from the package's generation
-    defaults, else OpenAI's (config.resolve_sampling)."""
+    defaults, else greedy: the same rule as the library's and the CLI's
+    (config.resolve_sampling), so one request gives one answer on every surface."""
     given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k")}
-    return asdict(resolve_sampling(given, server.pipe.manifest.generation, OPENAI_SAMPLING))
+    return asdict(resolve_sampling(given, server.pipe.manifest.generation))
 
 
 def _start(server: Server, job: Job, body: Settings, prompt: str | list[int],
@@ -309,8 +306,8 @@ def _start(server: Server, job: Job, body: Settings, prompt: str | list[int],
     try:
         stream = server.pipe.stream(
             prompt, prompt_ids=prompt_ids, max_new_tokens=max_tokens,
-            **_sampling(server, body), gamma=body.gamma, schedule=body.schedule,
-            use_draft=body.use_draft, drafter=body.drafter, seed=body.seed, stop=stop,
+            **_sampling(server, body), draft_length=body.gamma, schedule=body.schedule,
+            drafter=body.drafter if body.use_draft else NO_DRAFTER, seed=body.seed, stop=stop,
             ignore_eos=body.ignore_eos, token_healing=body.token_healing)
     except EdgespecError as e:  # the schema checked each setting: what is left is the mix
         raise ApiError(400, str(e)) from None

@@ -26,7 +26,8 @@ from jinja2.exceptions import SecurityError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from edgespec.errors import EdgespecError
+from edgespec.config import is_int
+from edgespec.errors import EdgespecError, one_line
 from edgespec.manifest import Manifest
 
 RANGE_ITEMS = 10_000  # a template loops over messages, not millions of numbers
@@ -75,14 +76,14 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def _check_product(self, left, right) -> None:
         for seq, times in ((left, right), (right, left)):
-            if _sized(seq) and _is_int(times):
+            if _sized(seq) and is_int(times):
                 return self._check_size(len(seq) * max(times, 0), "*")
-        if _is_int(left) and _is_int(right) and (
+        if is_int(left) and is_int(right) and (
                 left.bit_length() + right.bit_length() > INTEGER_BITS):
             raise SecurityError(f"* would make an integer over {INTEGER_BITS} bits")
 
     def _check_power(self, base, exponent) -> None:
-        if _is_int(base) and _is_int(exponent) and abs(base) > 1 and (
+        if is_int(base) and is_int(exponent) and abs(base) > 1 and (
                 exponent * base.bit_length() > INTEGER_BITS):
             raise SecurityError(f"** would make an integer over {INTEGER_BITS} bits")
 
@@ -96,10 +97,6 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
 def _sized(value) -> bool:
     return isinstance(value, (str, list, tuple))
 
-
-def _is_int(value) -> bool:
-    # TODO(merge, issue 26): runtime's one int check, once it has one (Jinja gives Python ints)
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class ChatTemplate:
@@ -118,7 +115,7 @@ class ChatTemplate:
             self.template = env.from_string(source)
         except (jinja2.TemplateError, RecursionError, MemoryError) as e:
             raise ChatTemplateError(f"the package's chat template {name} does not compile "
-                                    f"({one_line(e)}); re-export the pair") from None
+                                    f"({one_line(e, 300)}); re-export the pair") from None
         self.special_tokens = dict(special_tokens)
 
     @classmethod
@@ -131,7 +128,8 @@ class ChatTemplate:
         try:
             source = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise ChatTemplateError(f"cannot read the chat template {path} ({one_line(e)}); "
+            raise ChatTemplateError(f"cannot read the chat template {path} "
+                                    f"({one_line(e, 300)}); "
                                     "re-export the pair") from None
         return cls(source, manifest.special_tokens, Path(manifest.chat_template).name, max_chars)
 
@@ -153,25 +151,20 @@ class ChatTemplate:
                 "for this conversation, more than the context window can hold") from None
         except jinja2.TemplateError as e:
             raise ChatTemplateError(
-                f"the chat template {self.name} refused the messages: {one_line(e)}") from None
+                f"the chat template {self.name} refused the messages: "
+                f"{one_line(e, 300)}") from None
         except MemoryError:  # past the rendering process's limit (text_process.py)
             raise ChatTemplateError(f"the chat template {self.name} ran out of memory "
                                     "rendering the conversation") from None
         except Exception as e:  # RecursionError, OverflowError, a filter's fault
             raise ChatTemplateError(f"the chat template {self.name} failed "
-                                    f"({type(e).__name__}: {one_line(e)})") from None
+                                    f"({type(e).__name__}: {one_line(e, 300)})") from None
         return "".join(pieces)
 
 
 class OutputTooLong(Exception):
     """A render wrote past its limit."""
 
-
-def one_line(error: BaseException, limit: int = 300) -> str:
-    """An error's message as one line of at most ``limit`` characters, for an answer or a
-    log line (a native library's message can span many lines and pages)."""
-    text = " ".join(str(error).split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _raise_exception(message: str):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
+from edgespec.config import is_int
 from edgespec.errors import ConfigError
 
 # Names under which a browser on this machine reaches a loopback server; any other Host header
@@ -61,8 +62,7 @@ class ServeConfig:
         for name, low in (("queue", 0), ("max_body", 1), ("max_tokens", 1),
                           ("limit_concurrency", 1)):
             value = getattr(self, name)
-            # TODO(merge, issue 26): runtime's one int check, once it has one
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+            if not (is_int(value) and value >= low):
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
         for name in ("request_timeout_s", "read_timeout_s", "keep_alive_s",
                      "template_timeout_s", "tokenize_timeout_s", "shutdown_s"):

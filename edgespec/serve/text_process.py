@@ -31,8 +31,8 @@ import sys
 from pathlib import Path
 
 import edgespec
-from edgespec.errors import EdgespecError
-from edgespec.serve.chat import ChatTemplate, ChatTemplateError, one_line
+from edgespec.errors import EdgespecError, one_line
+from edgespec.serve.chat import ChatTemplate, ChatTemplateError
 
 MEMORY_BYTES = 1 << 30  # address space the child may add to what it holds after start-up
 PART_IDS = 4  # characters per id of a long text's first part, counted before the whole
@@ -227,13 +227,8 @@ class _Child:
     def _tokenize(self, text: str, specials: bool) -> list[int]:
         """As Pipeline.encode: the text's ids without the tokenizer's own special tokens, BOS
         first where the package's tokenizer adds one (tests/test_serve_guards.py compares)."""
-        # TODO(merge, issue 26): runtime's one home for the BOS rule (Pipeline.encode states it
-        # too); the child cannot load a Pipeline, so it needs a function of (manifest, ids)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        bos = self.manifest.bos_token_id
-        if specials and self.manifest.add_bos_token and bos is not None:
-            ids = [bos, *ids]
-        return ids
+        return self.manifest.with_bos(ids) if specials else ids
 
 
 def _die_with_parent() -> None:

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 from queue import SimpleQueue
 
+from edgespec.errors import one_line
 from edgespec.runtime.pipeline import GenerationResult, TextStream
-from edgespec.serve.chat import one_line
 
 TIME_LIMIT = "time_limit"  # the finish reason of a generation that ran out of time
 
