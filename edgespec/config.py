@@ -66,10 +66,32 @@ def resolve_sampling(given: dict, package: dict, fallback: dict | None = None
                      ) -> SamplingConfig:
     """The one precedence rule for sampling settings: those a request gives (None: not given),
     else the package's defaults (its target's generation_config.json, manifest "generation"),
-    else ``fallback`` (the library and CLI: greedy, SamplingConfig's defaults; the server:
-    OpenAI's temperature 1), field by field, as transformers overrides generation_config."""
+    else edgespec's fallback, greedy (SamplingConfig's defaults) on every surface: library,
+    generate, chat and serve; field by field, as transformers overrides generation_config.
+    ``fallback``: other fallback values, for a caller that must differ (none should)."""
     chosen = {name: value for name, value in given.items() if value is not None}
     return SamplingConfig(**{**(fallback or {}), **package, **chosen})
+
+
+def describe_sampling(given: dict, package: dict) -> str:
+    """What ``resolve_sampling(given, package)`` chose and where from, in words, e.g.
+    "greedy (the package sets no sampling defaults: edgespec's fallback)" or
+    "temperature 0.7, top-p 0.9 (the package's defaults)"."""
+    sampling = resolve_sampling(given, package)
+    if sampling.greedy:
+        what = "greedy"
+    else:
+        what = ", ".join([f"temperature {sampling.temperature:g}",
+                          *([f"top-k {sampling.top_k}"] if sampling.top_k else []),
+                          *([f"top-p {sampling.top_p:g}"] if sampling.top_p < 1 else [])])
+    chosen = {name for name, value in given.items() if value is not None}
+    if not chosen:
+        where = ("the package's defaults" if package else
+                 "the package sets no sampling defaults: edgespec's fallback")
+    else:
+        where = "as given" + ("; the rest the package's defaults" if set(package) - chosen
+                              else "")
+    return f"{what} ({where})"
 
 
 @dataclass(frozen=True)
