@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from edgespec.cli.base import check_chat_template, main, runtime, sampling_line, user_errors
-from edgespec.config import DRAFTERS, PROVIDERS, GenerationConfig, resolve_sampling
+from edgespec.config import DRAFTERS, PROVIDERS, SCHEDULES, GenerationConfig, resolve_sampling
 from edgespec.errors import EdgespecError
 
 _DEFAULTS = GenerationConfig()
@@ -43,7 +43,10 @@ REPLY_ROOM = 512
 @click.option("--top-p", type=float, help="1 keeps all tokens. [default: the package's, else 1]")
 @click.option("--seed", type=int, default=None, help="Seed for sampling.")
 @click.option("--gamma", "-k", default=_DEFAULTS.draft_length, show_default=True,
-              help="Draft length k, the most the adaptive schedule drafts.")
+              help="Draft length k: every round's (fixed), the first (heuristic), the most "
+                   "(adaptive).")
+@click.option("--schedule", default=_DEFAULTS.schedule, show_default=True,
+              type=click.Choice(SCHEDULES), help="How each round's draft length is chosen.")
 @click.option("--drafter", default=_DEFAULTS.drafter, show_default=True,
               type=click.Choice(DRAFTERS),
               help="What proposes tokens: the package's draft model, an n-gram lookup, or "
@@ -52,13 +55,14 @@ REPLY_ROOM = 512
 @user_errors
 def chat(package: Path | None, system: str | None, max_new_tokens: int | None,
          temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
-         gamma: int, drafter: str, provider: str) -> None:
+         gamma: int, schedule: str, drafter: str, provider: str) -> None:
     """Chat with the model in PACKAGE through its chat template (default: the demo pair,
     which has none). At a terminal: /help lists the commands, Ctrl-C stops a reply. Piped:
     one message a line, one reply a line out."""
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    # settings refused now, before the slow load
     config = GenerationConfig(sampling=resolve_sampling(given, {}), draft_length=gamma,
-                              seed=seed, drafter=drafter)  # settings refused before the load
+                              schedule=schedule, seed=seed, drafter=drafter)
     path = check_chat_template(package)
     pipe = runtime().load(path, provider=provider)
     config = replace(config, sampling=resolve_sampling(given, pipe.manifest.generation))
