@@ -2,12 +2,13 @@
 ``ollama run`` and ``llama-cli -cnv`` hold one: replies streamed, the history kept.
 
 Typed at a terminal: a ``>>> `` prompt, /commands, Ctrl-C stops a reply (not the session).
-Piped (stdin not a terminal): each line is a message, each reply printed on stdout, nothing
-else there; the /commands work the same. Notes and stats go to stderr.
+Piped (stdin not a terminal): each line is a message, each reply printed on stdout and ended
+by a newline, nothing else there; the /commands work the same. Notes and stats go to stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
@@ -58,7 +59,7 @@ def chat(package: Path | None, system: str | None, max_new_tokens: int | None,
          gamma: int, schedule: str, drafter: str, provider: str) -> None:
     """Chat with the model in PACKAGE through its chat template (default: the demo pair,
     which has none). At a terminal: /help lists the commands, Ctrl-C stops a reply. Piped:
-    one message a line, one reply a line out."""
+    each line is a message, each reply goes to stdout, ended by a newline."""
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     # settings refused now, before the slow load
     config = GenerationConfig(sampling=resolve_sampling(given, {}), draft_length=gamma,
@@ -68,6 +69,9 @@ def chat(package: Path | None, system: str | None, max_new_tokens: int | None,
     config = replace(config, sampling=resolve_sampling(given, pipe.manifest.generation))
     session = ChatSession(pipe, config, max_new_tokens, system)
     interactive = sys.stdin.isatty()
+    if interactive:
+        with contextlib.suppress(ImportError):  # line editing and history at the prompt
+            import readline  # noqa: F401
     click.echo(sampling_line(given, pipe.manifest.generation), err=True)
     if interactive:
         click.echo("/help for commands, /bye or Ctrl-D to leave; Ctrl-C stops a reply",
