@@ -4,8 +4,9 @@ then tokenized without the tokenizer's own special tokens.
 The template writes every special token it wants, BOS included (transformers'
 ``apply_chat_template`` tokenizes its output with ``add_special_tokens=False`` for this
 reason): adding the tokenizer's BOS again would give ``[bos, bos, ...]``, a prompt the model
-never saw in training. ``chat_prompt_ids`` is the one place that does this, for the library,
-the command line and the server's rendering process alike.
+never saw in training. ``chat_prompt_ids`` does this for the library and the command line;
+it needs only a template and a tokenizer, so the server's rendering process
+(serve/text_process.py, which does the same today) can call it too.
 
 The template itself (a bounded Jinja sandbox, as transformers renders it) is
 ``edgespec.serve.chat.ChatTemplate``; it needs only jinja2, imported on first use so that
