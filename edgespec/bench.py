@@ -19,14 +19,14 @@ from pathlib import Path
 
 from edgespec.config import (
     DRAFTERS,
-    MAX_DRAFT_LENGTH,
     NO_DRAFTER,
     SCHEDULES,
     GenerationConfig,
     SamplingConfig,
-    is_int,
+    check_draft_length,
 )
 from edgespec.errors import ConfigError, EdgespecError
+from edgespec.manifest import PROMPTS_NAME
 from edgespec.runtime.drafters import resolve_drafter
 from edgespec.runtime.machine import describe, machine_info
 from edgespec.runtime.pipeline import Pipeline
@@ -56,9 +56,7 @@ class BenchConfig:
         if not self.gammas or min(self.gammas) < 1:
             raise ConfigError(f"gammas must be >= 1, got {self.gammas}")
         for gamma in self.gammas:  # each a fixed run's k, and the adaptive schedules' largest
-            if not (is_int(gamma) and gamma <= MAX_DRAFT_LENGTH):
-                raise ConfigError(f"gamma must be an integer in 1..{MAX_DRAFT_LENGTH} (tokens "
-                                  f"drafted per round), got {gamma!r}")
+            check_draft_length("gamma", gamma)
         if not self.temperatures or min(self.temperatures) < 0:
             raise ConfigError(f"temperatures must be >= 0, got {self.temperatures}")
         if self.repeats < 1:
@@ -129,12 +127,13 @@ class BenchReport:
 
 def run_bench(
     pipe: Pipeline,
-    prompts: list[str],
+    prompts: list[str | list[int]],
     config: BenchConfig,
     progress: Callable[[int], None] | None = None,
     command: str = "",
 ) -> BenchReport:
-    """Interleave target-only and speculative runs of every prompt; ``progress(n)`` after n runs.
+    """Interleave target-only and speculative runs of every prompt (text, or token ids such as
+    a rendered conversation: ``bench_prompts``); ``progress(n)`` after n runs.
 
     Every run generates exactly ``max_new_tokens`` (EOS is ignored), so sampled runs, which
     differ in text, still decode the same number of tokens over the same context lengths.
@@ -221,8 +220,14 @@ def summarise(temperature: float, drafter: str, schedule: str, gamma: int, pairs
 
 
 
-def read_prompts(path: str | Path) -> list[str]:
-    """Prompts from a UTF-8 text file, one a line, or JSON Lines of strings / {"prompt": ...}."""
+# edgespec's own task prompts, for a chat package without a prompts file: JSON Lines of
+# {"kind": "summarize" | "code" | "question", "messages": [...]}, rendered through its template
+BUILT_IN_PROMPTS = Path(__file__).with_name("bench_prompts.jsonl")
+
+
+def read_prompts(path: str | Path) -> list[str | list[dict]]:
+    """Prompts from a UTF-8 text file, one a line, or JSON Lines of strings, {"prompt": ...}
+    or {"messages": [...]} (a conversation, for the package's chat template)."""
     path = Path(path)
     if not path.is_file():
         raise EdgespecError(f"no prompts file at {path}; pass --prompts FILE (one prompt a line)")
@@ -236,12 +241,37 @@ def read_prompts(path: str | Path) -> list[str]:
         return lines
     try:
         items = [json.loads(line) for line in lines]
-        prompts = [item if isinstance(item, str) else item["prompt"] for item in items]
+        prompts = [item if isinstance(item, str) else
+                   item["messages"] if "messages" in item else item["prompt"] for item in items]
     except (ValueError, KeyError, TypeError) as e:
         raise EdgespecError(f"{path}: not JSON Lines of prompts ({e})") from None
-    if not all(isinstance(prompt, str) for prompt in prompts):
-        raise EdgespecError(f"{path}: not JSON Lines of prompts (a prompt that is not a string)")
+    if not all(isinstance(prompt, (str, list)) for prompt in prompts):
+        raise EdgespecError(f"{path}: not JSON Lines of prompts (a prompt that is not a string "
+                            "or a list of messages)")
     return prompts
+
+
+def bench_prompts(pipe: Pipeline, path: Path | None = None) -> tuple[list[str | list[int]], str]:
+    """What bench runs, and where it came from: the prompts in ``path``, else the package's
+    prompts.jsonl, else (a package with a chat template) edgespec's task prompts
+    (BUILT_IN_PROMPTS). Conversations become token ids through the chat template
+    (``Pipeline.encode_chat``), so that they are read as the model is chatted with."""
+    own = pipe.path / PROMPTS_NAME
+    has_template = pipe.manifest.chat_template is not None
+    if path is None and not own.is_file():
+        if not has_template:
+            raise EdgespecError(
+                f"{pipe.path} has no {PROMPTS_NAME} and no chat template to render edgespec's "
+                "task prompts with; pass --prompts FILE (one prompt a line)")
+        path = BUILT_IN_PROMPTS
+    path = path or own
+    prompts = read_prompts(path)
+    if not has_template and any(isinstance(prompt, list) for prompt in prompts):
+        raise EdgespecError(f"{path} holds chat messages but {pipe.path} has no chat template "
+                            "to render them with; give the prompts as text")
+    where = ("edgespec's task prompts, through the chat template" if path == BUILT_IN_PROMPTS
+             else str(path))
+    return [pipe.encode_chat(p) if isinstance(p, list) else p for p in prompts], where
 
 
 def check_writable(path: Path, option: str) -> None:

@@ -71,6 +71,27 @@ def resolve_sampling(given: dict, package: dict) -> SamplingConfig:
     return SamplingConfig(**{**package, **chosen})
 
 
+def describe_sampling(given: dict, package: dict) -> str:
+    """What ``resolve_sampling(given, package)`` chose and where from, in words, e.g.
+    "greedy (the package sets no sampling defaults: edgespec's fallback)" or
+    "temperature 0.7, top-p 0.9 (the package's defaults)"."""
+    sampling = resolve_sampling(given, package)
+    if sampling.greedy:
+        what = "greedy"
+    else:
+        what = ", ".join([f"temperature {sampling.temperature:g}",
+                          *([f"top-k {sampling.top_k}"] if sampling.top_k else []),
+                          *([f"top-p {sampling.top_p:g}"] if sampling.top_p < 1 else [])])
+    chosen = {name for name, value in given.items() if value is not None}
+    if not chosen:
+        where = ("the package's defaults" if package else
+                 "the package sets no sampling defaults: edgespec's fallback")
+    else:
+        where = "as given" + ("; the rest the package's defaults" if set(package) - chosen
+                              else "")
+    return f"{what} ({where})"
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """One generation request.
@@ -120,7 +141,7 @@ class GenerationConfig:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not isinstance(self.sampling, SamplingConfig):
             raise ConfigError(f"sampling must be a SamplingConfig, got {self.sampling!r}")
-        _check_draft_length("draft_length", self.draft_length)
+        check_draft_length("draft_length", self.draft_length)
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.drafter not in DRAFTERS:
@@ -164,7 +185,7 @@ def _init_with_former_names(self: GenerationConfig, *args, gamma: object = None,
     if gamma is not None:
         warnings.warn("GenerationConfig(gamma=...) is deprecated; use draft_length",
                       DeprecationWarning, stacklevel=2)
-        _check_draft_length("gamma", gamma)
+        check_draft_length("gamma", gamma)
         kwargs["draft_length"] = gamma
     if use_draft is not None:
         warnings.warn('GenerationConfig(use_draft=...) is deprecated; use drafter="none"',
@@ -179,7 +200,8 @@ def _init_with_former_names(self: GenerationConfig, *args, gamma: object = None,
 GenerationConfig.__init__ = _init_with_former_names
 
 
-def _check_draft_length(name: str, value: object) -> None:
+def check_draft_length(name: str, value: object) -> None:
+    """The draft length's range, in the caller's name for it (the CLI's and bench's gamma)."""
     if not (is_int(value) and 1 <= value <= MAX_DRAFT_LENGTH):
         raise ConfigError(f"{name} must be an integer in 1..{MAX_DRAFT_LENGTH} (tokens drafted "
                           f"per round), got {value!r}")

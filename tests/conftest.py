@@ -179,3 +179,39 @@ def chat_package(checkpoints, tmp_path_factory) -> Path:
     target = with_chat_template(checkpoints["llama_target"], root / "target")
     export_pair(target, checkpoints["llama_draft"], root / "chat", validation="skip")
     return root / "chat"
+
+
+# ChatML's shape (SmolLM2's, Qwen's) with a BOS first, as Llama-family templates write one
+CHATML_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chatml_package(tmp_path_factory) -> Path:
+    """A Llama pair whose tokenizer adds BOS to text (as Llama's does: the manifest's
+    add_bos_token) and has a ChatML-like template that writes BOS itself; <|im_end|> is its
+    EOS. A window of 1024 tokens, which edgespec bench's task prompts fit."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    from edgespec.export import export_pair
+
+    root = tmp_path_factory.mktemp("chatml")
+    backend = _train_bpe(400)
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", pair="<|endoftext|> $A $B",
+        special_tokens=[("<|endoftext|>", backend.token_to_id("<|endoftext|>"))])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE)
+    target = llama(len(tokenizer), 64, 2, seed=1, positions=1024)
+    draft = noisy_copy(target, 0.15, seed=8)
+    for model in (target, draft):
+        model.config.eos_token_id = tokenizer.eos_token_id
+    export_pair(_save(target, tokenizer, root / "target"), _save(draft, tokenizer, root / "draft"),
+                root / "package", validation="skip")
+    return root / "package"

@@ -3,10 +3,11 @@
     base.py      the group, signals and exit codes, library errors as one line, the extras
     generate.py  export, generate, models
     bench.py     bench
+    chat.py      chat
     serve.py     serve
 """
 
-from edgespec.cli import bench, generate, serve  # noqa: F401  (each registers its commands)
+from edgespec.cli import bench, chat, generate, serve  # noqa: F401  (each registers its commands)
 from edgespec.cli.base import entry, main
 
 __all__ = ["entry", "main"]

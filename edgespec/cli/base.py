@@ -103,7 +103,7 @@ def needs_export_extra(module: str):
         ) from None
 
 
-SERVE_MODULES = ("starlette", "uvicorn", "pydantic", "jinja2", "prometheus_client")  # what the serve extra installs
+SERVE_MODULES = ("starlette", "uvicorn", "pydantic", "prometheus_client")  # what the serve extra installs
 
 
 def needs_serve_extra():
@@ -155,3 +155,31 @@ def demo_package() -> Path:
     from edgespec import models
 
     return models.demo_package()
+
+
+def check_chat_template(package: Path | None) -> Path:
+    """The package to chat with (None: the demo's), refused at once if it has no chat
+    template (runtime/chat.py says what to do): before the slow load, and for the demo pair
+    with what to do instead."""
+    from edgespec.manifest import Manifest
+
+    path = package or demo_package()
+    manifest = Manifest.read(path)
+    if manifest.chat_template is None and package is None:
+        raise click.ClickException(
+            "the bundled demo pair is a code model without a chat template; pass a package "
+            "exported from an instruct checkpoint (edgespec chat PKG), or continue code "
+            "with edgespec generate \"def fibonacci(n):\"")
+    runtime().chat.load_chat_template(path, manifest)
+    return path
+
+
+def sampling_line(given: dict, package: dict) -> str:
+    """"sampling: ..." as config.describe_sampling says it, with how to sample where the
+    fallback (greedy) was taken."""
+    from edgespec.config import describe_sampling
+
+    line = f"sampling: {describe_sampling(given, package)}"
+    if not package and all(value is None for value in given.values()):
+        line += "; --temperature 0.7 to sample"
+    return line

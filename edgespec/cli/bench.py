@@ -13,7 +13,6 @@ import click
 
 from edgespec.cli.base import demo_package, main, runtime, user_errors
 from edgespec.config import PROVIDERS, GenerationConfig
-from edgespec.manifest import PROMPTS_NAME
 
 _DEFAULTS = GenerationConfig()
 
@@ -41,8 +40,9 @@ def _ints(text: str) -> tuple[int, ...]:
                    "package has one, else ngram); each against target-only runs.")
 @click.option("--max-new-tokens", "-n", default=_DEFAULTS.max_new_tokens, show_default=True)
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
-              help="Prompts, one per line (or JSON Lines of strings). "
-                   "Default: the package's prompts.jsonl.")
+              help="Prompts, one per line (or JSON Lines of strings or of {\"messages\": "
+                   "[...]}, rendered through the chat template). Default: the package's "
+                   "prompts.jsonl, else, with a chat template, edgespec's task prompts.")
 @click.option("--repeats", default=3, show_default=True, help="Runs of each prompt.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the report here.")
 @click.option("--plot", "plot_out", type=click.Path(path_type=Path),
@@ -71,12 +71,12 @@ def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, 
     package = package or demo_package()
     pipe = load(package, provider=provider)
     benchmark.check_drafters(pipe, config)
-    prompts = benchmark.read_prompts(prompts_file or package / PROMPTS_NAME)
+    prompts, where = benchmark.bench_prompts(pipe, prompts_file)
     total = benchmark.total_runs(config, len(prompts))
     click.echo(f"benchmarking {package}: {total} generations of {max_new_tokens} tokens "
                f"({len(prompts)} prompts x {repeats} repeats x {len(config.temperatures)} "
                f"temperatures x {total // (len(prompts) * repeats * len(config.temperatures))} "
-               "settings, target-only included)", err=True)
+               f"settings, target-only included); prompts: {where}", err=True)
     report = benchmark.run_bench(pipe, prompts, config, progress=_ProgressLines(total),
                                  command=shlex.join(["edgespec", *sys.argv[1:]]))
     click.echo(benchmark.format_table(report))

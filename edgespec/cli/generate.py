@@ -6,12 +6,19 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import click
 
-from edgespec.cli.base import demo_package, main, needs_export_extra, runtime, user_errors
+from edgespec.cli.base import (
+    check_chat_template,
+    demo_package,
+    main,
+    needs_export_extra,
+    runtime,
+    user_errors,
+)
 from edgespec.config import (
     DRAFTERS,
     EXPORT_DTYPES,
@@ -22,6 +29,8 @@ from edgespec.config import (
     PROVIDERS,
     SCHEDULES,
     GenerationConfig,
+    check_draft_length,
+    describe_sampling,
     resolve_sampling,
 )
 
@@ -122,13 +131,19 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
 @click.option("--draft-provider", type=click.Choice(PROVIDERS),
               help="Where the draft runs, if not where the target does.")
 @click.option("--json", "as_json", is_flag=True, help="Print text and stats as one JSON object.")
+@click.option("--chat", "as_chat", is_flag=True,
+              help="PROMPT is a user's message: answer it through the package's chat template "
+                   "(one turn of edgespec chat; never healed).")
+@click.option("--system", help="With --chat: a system message before PROMPT.")
 @user_errors
 def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, gamma: int, schedule: str,
              seed: int | None, stop: tuple[str, ...], drafter: str, ngram_max: int,
              ngram_min: int, no_draft: bool, ignore_eos: bool, token_healing: bool,
-             provider: str, draft_provider: str | None, as_json: bool) -> None:
-    """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair)."""
+             provider: str, draft_provider: str | None, as_json: bool, as_chat: bool,
+             system: str | None) -> None:
+    """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair); with
+    --chat, answer it as a chat message."""
     load = runtime().load
 
     if len(args) > 2:
@@ -140,11 +155,14 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
             f"{args[0]} is a folder and no prompt was given; run edgespec generate "
             f"{shlex.quote(args[0])} \"your prompt\" (a lone argument is the demo's prompt)"
         )
-    package, prompt = (Path(args[0]), args[1]) if len(args) == 2 else (demo_package(), args[0])
+    package, prompt = (Path(args[0]), args[1]) if len(args) == 2 else (None, args[0])
+    if system is not None and not as_chat:
+        raise click.ClickException("--system is a chat message: give --chat too")
 
     # sampling settings given here override the package's defaults (its generation_config.json),
     # known only once it is loaded (config.resolve_sampling); checked now, before the slow load
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    check_draft_length("gamma", gamma)  # an error names the option, not the config's field
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         sampling=resolve_sampling(given, {}),
@@ -158,18 +176,25 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
         ngram_max=ngram_max,
         token_healing=token_healing,
     )
+    package = check_chat_template(package) if as_chat else package or demo_package()
     pipe = load(package, provider=provider, draft_provider=draft_provider)
     config = replace(config, sampling=resolve_sampling(given, pipe.manifest.generation))
     if config.sampling.greedy and (top_k is not None or top_p is not None):
         click.echo("warning: --top-k and --top-p do nothing at temperature 0 (greedy); "
                    "give --temperature to sample", err=True)
-    stream = pipe.stream(prompt, config)
+    if as_chat:
+        messages = [*([{"role": "system", "content": system}] if system else []),
+                    {"role": "user", "content": prompt}]
+        stream = pipe.chat_stream(messages, config)
+    else:
+        stream = pipe.stream(prompt, config)
     ran_on = {role: session.providers[0] for role, session in
               (("target", pipe.target), ("draft", pipe.draft)) if session is not None}
     if as_json:
         text = "".join(stream)
         result = {"prompt": prompt, "text": text, "token_ids": stream.result.token_ids,
-                  "stats": stream.result.stats.as_dict(), "providers": ran_on}
+                  "stats": stream.result.stats.as_dict(), "providers": ran_on,
+                  "sampling": asdict(config.sampling)}
         click.echo(json.dumps(result))
         return
     for piece in stream:
@@ -178,7 +203,9 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
     click.echo()
     where = ", ".join(f"{role} on {name.removesuffix('ExecutionProvider')}"
                       for role, name in ran_on.items())
-    click.echo(f"{stream.result.stats.summary()}; {where}", err=True)
+    said = ("" if any(value is not None for value in given.values())
+            else f"; sampling: {describe_sampling(given, pipe.manifest.generation)}")
+    click.echo(f"{stream.result.stats.summary()}; {where}{said}", err=True)
 
 
 

@@ -22,6 +22,7 @@ from edgespec.config import (
 from edgespec.errors import ConfigError, GenerationError, ManifestError, one_line
 from edgespec.manifest import Manifest
 from edgespec.runtime import calibration
+from edgespec.runtime.chat import chat_prompt_ids, load_chat_template
 from edgespec.runtime.drafters import make_drafter, resolve_drafter
 from edgespec.runtime.healing import Healing, PrefixIndex, heal
 from edgespec.runtime.package_checks import check_tokenizer
@@ -134,6 +135,7 @@ class Pipeline:
         self.calibration_s: dict[int, float] = {}  # per kmax: seconds spent finding the costs
         self.calibration: dict[int, str] = {}  # per kmax: "measured" or "stored" (read back)
         self._prefix_index: PrefixIndex | None = None  # token healing's, built on first use
+        self._chat_template = None  # the package's, compiled on first use (needs jinja2)
         self.prefix_index_s = 0.0  # what building it took
         added = self.tokenizer.get_added_tokens_decoder()
         self.special_ids = {i for i, token in added.items() if token.special} | {
@@ -150,6 +152,20 @@ class Pipeline:
         if not ids:
             raise GenerationError("the prompt is empty; give at least one character")
         return ids
+
+    @property
+    def chat_template(self):
+        """The package's chat template (``edgespec.serve.chat.ChatTemplate``), compiled on
+        first use; a ChatTemplateError if the package has none."""
+        if self._chat_template is None:
+            self._chat_template = load_chat_template(self.path, self.manifest)
+        return self._chat_template
+
+    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+        """A conversation's token ids: rendered with the package's chat template, which ends
+        where the assistant's answer starts and writes its own special tokens (BOS among them:
+        none is added here; runtime/chat.py)."""
+        return chat_prompt_ids(self.chat_template, self.tokenizer, messages)
 
     @property
     def prefix_index(self) -> PrefixIndex:
@@ -284,6 +300,26 @@ class Pipeline:
         generation_config.json, else greedy) and keyword settings override them.
         """
         stream = self.stream(prompt, config, **settings)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def chat_stream(self, messages: Sequence[dict], config: GenerationConfig | None = None,
+                    prompt_ids: list[int] | None = None, **settings) -> TextStream:
+        """The assistant's answer to ``messages`` (``[{"role": "user", "content": ...}, ...]``),
+        streamed: the conversation rendered with the package's chat template (``encode_chat``),
+        generated from those ids (never healed) until EOS. Settings as for ``generate``;
+        ``prompt_ids``: what ``encode_chat(messages)`` returned, for a caller that has them."""
+        ids = self.encode_chat(messages) if prompt_ids is None else prompt_ids
+        return self.stream(ids, config, **settings)
+
+    def chat(self, messages: Sequence[dict], config: GenerationConfig | None = None,
+             **settings) -> GenerationResult:
+        """The assistant's answer to ``messages``, whole (``chat_stream``).
+
+        >>> pipe.chat([{"role": "user", "content": "What is the capital of France?"}]).text
+        """
+        stream = self.chat_stream(messages, config, **settings)
         for _ in stream:
             pass
         return stream.result

@@ -1,0 +1,69 @@
+"""A conversation as the token ids a chat model reads: the package's chat template rendered,
+then tokenized without the tokenizer's own special tokens.
+
+The template writes every special token it wants, BOS included (transformers'
+``apply_chat_template`` tokenizes its output with ``add_special_tokens=False`` for this
+reason): adding the tokenizer's BOS again would give ``[bos, bos, ...]``, a prompt the model
+never saw in training. ``chat_prompt_ids`` does this for the library and the command line;
+it needs only a template and a tokenizer, so the server's rendering process
+(serve/text_process.py, which does the same today) can call it too.
+
+The template itself (a bounded Jinja sandbox, as transformers renders it) is
+``edgespec.serve.chat.ChatTemplate``; it needs only jinja2, imported on first use so that
+``import edgespec`` stays light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edgespec.errors import GenerationError
+from edgespec.manifest import Manifest
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from edgespec.serve.chat import ChatTemplate
+
+
+def load_chat_template(folder: Path, manifest: Manifest) -> ChatTemplate:
+    """The package's chat template, compiled; a ChatTemplateError if it has none (or it does
+    not compile), saying what to do instead."""
+    from edgespec.serve.chat import ChatTemplate, ChatTemplateError
+
+    template = ChatTemplate.of_package(folder, manifest)
+    if template is None:
+        raise ChatTemplateError(
+            f"{folder} has no chat template; use edgespec generate for plain text, or "
+            "re-export from a checkpoint whose tokenizer has one")
+    return template
+
+
+def check_messages(messages: Sequence[dict]) -> list[dict]:
+    """A conversation as templates read it: a non-empty list of dicts, each with a ``role``
+    and a ``content`` string (other keys are passed to the template as they are)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise GenerationError(
+            'messages must be a non-empty list of {"role": ..., "content": ...} dicts, got '
+            f"{type(messages).__name__}{' (empty)' if not messages else ''}")
+    for i, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise GenerationError(
+                f"messages[{i}] must be a dict with a 'role' and a 'content' string, "
+                f"got {message!r:.80}")
+    return list(messages)
+
+
+def chat_prompt_ids(template: ChatTemplate, tokenizer: Tokenizer,
+                    messages: Sequence[dict]) -> list[int]:
+    """The conversation rendered with ``template`` (ending where the assistant's answer
+    starts) and tokenized without special tokens: the template wrote them."""
+    text = template.render(check_messages(messages))
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    if not ids:
+        raise GenerationError(f"the chat template {template.name} rendered the conversation "
+                              "as no tokens at all")
+    return ids
