@@ -157,13 +157,34 @@ def demo_package() -> Path:
     return models.demo_package()
 
 
+def resolve_package(package: Path | None) -> Path:
+    """PACKAGE as a command was given it: None, the demo pair; a path, as it is; the name of a
+    real model that is not also a path here (``edgespec models list``), its package, built
+    into the cache folder on first use with progress lines (needs the export extra)."""
+    from edgespec.models import named
+
+    if package is None:
+        return demo_package()
+    name = str(package)
+    if package.exists() or name not in named.MODELS:
+        return package
+    built = named.built_package(name)
+    if built is not None:
+        return built
+    needs_export_extra("edgespec.export")
+    model = named.MODELS[name]
+    click.echo(f"{model.title} is not built yet: building it once into "
+               f"{named.models_folder() / name} (edgespec models build {name})", err=True)
+    return named.build(name, progress=lambda line: click.echo(line, err=True))
+
+
 def check_chat_template(package: Path | None) -> Path:
     """The package to chat with (None: the demo's), refused at once if it has no chat
     template (runtime/chat.py says what to do): before the slow load, and for the demo pair
     with what to do instead."""
     from edgespec.manifest import Manifest
 
-    path = package or demo_package()
+    path = resolve_package(package)
     manifest = Manifest.read(path)
     if manifest.chat_template is None and package is None:
         raise click.ClickException(

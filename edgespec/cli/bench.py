@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from edgespec.cli.base import demo_package, main, runtime, user_errors
+from edgespec.cli.base import main, resolve_package, runtime, user_errors
 from edgespec.config import PROVIDERS, GenerationConfig
 
 _DEFAULTS = GenerationConfig()
@@ -68,7 +68,7 @@ def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, 
         benchmark.check_writable(json_out, "--json")
     if plot_out:
         benchmark.check_plotting(plot_out)
-    package = package or demo_package()
+    package = resolve_package(package)
     pipe = load(package, provider=provider)
     benchmark.check_drafters(pipe, config)
     prompts, where = benchmark.bench_prompts(pipe, prompts_file)

@@ -1,5 +1,4 @@
-"""``edgespec export``, ``generate`` and ``models``: parse, build configs, call the library,
-print."""
+"""``edgespec export`` and ``generate``: parse, build configs, call the library, print."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import click
 
 from edgespec.cli.base import (
     check_chat_template,
-    demo_package,
+    resolve_package,
     main,
     needs_export_extra,
     runtime,
@@ -176,7 +175,7 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
         ngram_max=ngram_max,
         token_healing=token_healing,
     )
-    package = check_chat_template(package) if as_chat else package or demo_package()
+    package = check_chat_template(package) if as_chat else resolve_package(package)
     pipe = load(package, provider=provider, draft_provider=draft_provider)
     config = replace(config, sampling=resolve_sampling(given, pipe.manifest.generation))
     if config.sampling.greedy and (top_k is not None or top_p is not None):
@@ -206,54 +205,3 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
     said = ("" if any(value is not None for value in given.values())
             else f"; sampling: {describe_sampling(given, pipe.manifest.generation)}")
     click.echo(f"{stream.result.stats.summary()}; {where}{said}", err=True)
-
-
-
-
-@main.group()
-def models() -> None:
-    """The bundled demo pair and the recipe that rebuilds it."""
-
-
-@models.command("list")
-@click.argument("packages", nargs=-1, type=click.Path(path_type=Path))
-@user_errors
-def list_models(packages: tuple[Path, ...]) -> None:
-    """Show the bundled model pairs (and any PACKAGES given), their size and where they live."""
-    from edgespec.models import describe_package, describe_pairs
-
-    for line in describe_pairs():
-        click.echo(line)
-    for package in packages:
-        for line in describe_package(package.name, package):
-            click.echo(line)
-
-
-@models.command("build-demo")
-@click.option("--out", required=True, type=click.Path(path_type=Path),
-              help="Folder to create: checkpoints/ and package/ go inside.")
-@click.option("--target-minutes", type=float, help="Target training budget [default: 72].")
-@click.option("--draft-minutes", type=float, help="Draft distillation budget [default: 60].")
-@click.option("--target-checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="A target trained before (e.g. checkpoints/demo/target): only the draft is "
-                   "made, with that target's tokenizer.")
-@click.option("--threads", default=0, show_default=True, type=click.IntRange(0),
-              help="PyTorch's threads; 0: every usable core (1 is steadier beside other jobs).")
-@click.option("--seed", default=0, show_default=True)
-@user_errors
-def build_demo(out: Path, target_minutes: float | None, draft_minutes: float | None,
-               target_checkpoint: Path | None, threads: int, seed: int) -> None:
-    """Train the demo pair on this Python's standard library and export it (needs the export extra)."""
-    if out.exists():
-        raise click.ClickException(f"{out} already exists; choose another --out")
-    recipe = needs_export_extra("edgespec.models.recipe")
-    budgets = {"target_minutes": target_minutes, "draft_minutes": draft_minutes}
-    config = recipe.RecipeConfig(seed=seed, threads=threads,
-                                 **{k: v for k, v in budgets.items() if v is not None})
-    report = recipe.build_demo_package(out, config, target_checkpoint=target_checkpoint,
-                                       progress=lambda line: click.echo(line, err=True))
-    click.echo(
-        f"wrote {out}: target held-out perplexity {report['target']['heldout_perplexity']:.1f}, "
-        f"draft greedy agreement {report['greedy_agreement']:.0%}",
-        err=True,
-    )

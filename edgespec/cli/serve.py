@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from edgespec.cli.base import demo_package, main, needs_serve_extra, runtime, user_errors
+from edgespec.cli.base import main, needs_serve_extra, resolve_package, runtime, user_errors
 from edgespec.config import PROVIDERS
 from edgespec.serve.config import ServeConfig
 
@@ -75,7 +75,7 @@ def serve(package: Path | None, host: str, port: int, model_name: str | None,
         api_key=None if api_key is None else api_key.strip())
     sock = serving.server.bind(host, port)  # first: a port in use is reported at once
     try:
-        pipe = runtime().load(package or demo_package(), provider=provider,
+        pipe = runtime().load(resolve_package(package), provider=provider,
                                draft_provider=draft_provider)
         app = serving.build_app(pipe, config)
     except BaseException:

