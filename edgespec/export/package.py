@@ -203,7 +203,7 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
     if token_ids is not None:
         np.save(folder / TOKEN_IDS_NAME, token_ids)
         spec = replace(spec, token_ids=f"{role}/{TOKEN_IDS_NAME}")
-    if weights and validation != "skip" and not weights["requantized"]:
+    if weights and validation != "skip" and not weights["requantized"] and spec.compute != "float":
         report.detail("checking the repacked blocks against PyTorch in float compute (fp32's gate)")
         exact, failures = _check_repacked(expected, ids, root, spec, ckpt.max_positions, role)
         _refuse_failures(failures, validation, role, report)
@@ -211,6 +211,8 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
         weights["repack_check"] = {k: exact[k] for k in (
             "max_abs_diff_no_cache", "tolerance", "mean_tv", "top1_agreement")}
     runs = {}
+    if weights and target_compute == "auto":  # the file's numbers, not int8 activations'
+        target_compute = "float"  # rounding (which changed SmolLM2-135M's chat answers)
     if role == "target" and variant != "fp16":
         report.detail("measuring the target's runs: compute, rows, costs")
         spec, runs = choose_runs(root, spec, ckpt.max_positions, target_compute, report.detail)
