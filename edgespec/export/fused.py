@@ -260,9 +260,10 @@ class _Builder:
             "axis_last", np.array([-1]))])
         (w,) = self.node("Mul", [q, scales])
         (w,) = self.node("Reshape", [w, self.weight(f"{weight.data}.shape", np.array([n, k]))])
-        (w,) = self.node("Transpose", [w], perm=[1, 0])  # [K, N]
-        (out,) = self.node("MatMul", [x, w], outputs=outputs if isinstance(outputs, list)
-                           else 1)
+        (rows,) = self.node("Reshape", [x, self.constant(f"rows{k}", np.array([-1, k]))])
+        (flat,) = self.node("Gemm", [rows, w], transB=1)  # [S, N], w read as stored: [N, K]
+        (out,) = self.node("Reshape", [flat, self.constant(f"out{n}", np.array([1, -1, n]))],
+                           outputs=outputs if isinstance(outputs, list) else 1)
         return out
 
     def matmul_nbits(self, x: str, weight: _NBits, n: int, k: int,
