@@ -31,7 +31,7 @@ from edgespec.export.precision import (
     quantize_weights,
     store_exact_halves,
 )
-from edgespec.export.gguf import GGUFCheckpoint, GGUFTensors
+from edgespec.export.gguf import GGUFCheckpoint, GGUFTensors, find_gguf
 from edgespec.export.pair import Checkpoint, check_pair, read_checkpoint
 from edgespec.export.runs import TARGET_COMPUTES, choose_runs, set_compute
 from edgespec.export.tensors import CheckpointTensors, ModelTensors, safetensors_files
@@ -105,7 +105,7 @@ def export_pair(
     if target_compute not in TARGET_COMPUTES:
         raise ExportError(f"--target-compute must be one of {', '.join(TARGET_COMPUTES)}, "
                           f"got {target_compute!r}")
-    if target_compute == "int8" and not quantize:
+    if target_compute == "int8" and not quantize and find_gguf(Path(target), "target") is None:
         raise ExportError("--target-compute int8 needs a quantized target; add --quantize int4 "
                           "or int8")
     if validation not in VALIDATIONS:
@@ -203,6 +203,12 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
     if token_ids is not None:
         np.save(folder / TOKEN_IDS_NAME, token_ids)
         spec = replace(spec, token_ids=f"{role}/{TOKEN_IDS_NAME}")
+    runs = {}
+    if weights and target_compute == "auto":  # the file's numbers: int8 activations round
+        target_compute = "float"  # (on SmolLM2-135M they changed its chat answers)
+    if role == "target" and variant != "fp16":
+        report.detail("measuring the target's runs: compute, rows, costs")
+        spec, runs = choose_runs(root, spec, ckpt.max_positions, target_compute, report.detail)
     if weights and validation != "skip" and not weights["requantized"] and spec.compute != "float":
         report.detail("checking the repacked blocks against PyTorch in float compute (fp32's gate)")
         exact, failures = _check_repacked(expected, ids, root, spec, ckpt.max_positions, role)
@@ -210,12 +216,6 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
         report.detail(f"repacked blocks: {_figures_line(exact)}")
         weights["repack_check"] = {k: exact[k] for k in (
             "max_abs_diff_no_cache", "tolerance", "mean_tv", "top1_agreement")}
-    runs = {}
-    if weights and target_compute == "auto":  # the file's numbers, not int8 activations'
-        target_compute = "float"  # rounding (which changed SmolLM2-135M's chat answers)
-    if role == "target" and variant != "fp16":
-        report.detail("measuring the target's runs: compute, rows, costs")
-        spec, runs = choose_runs(root, spec, ckpt.max_positions, target_compute, report.detail)
     if weights:  # repacked blocks compute as the dequantized model does: fp32's gate, unless
         # weights were quantized again or the MatMuls compute with int8 activations
         variant = (quantization if weights["requantized"] or spec.compute == "int8"
