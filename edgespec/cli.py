@@ -172,9 +172,11 @@ def main() -> None:
 
 @main.command()
 @click.option("--target", required=True, type=click.Path(path_type=Path),
-              help="Hugging Face folder of the large model whose output you want.")
+              help="Hugging Face folder or GGUF file (a .gguf, or a folder holding one) of "
+                   "the large model whose output you want.")
 @click.option("--draft", type=click.Path(path_type=Path),
-              help="Hugging Face folder of the small model that proposes tokens. Without it: "
+              help="Hugging Face folder or GGUF file of the small model that proposes "
+                   "tokens. Without it: "
                    "a target-only package, decoded with n-gram drafting.")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Package folder to create.")

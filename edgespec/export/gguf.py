@@ -245,7 +245,11 @@ def _reader(file: Path, role: str):
 
 
 def _field(reader, key: str):
-    return reader.fields[key].contents()
+    """A scalar or string metadata value (transformers' parser: gguf-py's own ``contents`` is
+    newer than the gguf versions transformers accepts)."""
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    return read_field(reader, key)[0]
 
 
 def _check_tensors(reader, file: Path, role: str) -> None:
