@@ -42,7 +42,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def _model(kind: str, seed: int, tied: bool):
+def _model(kind: str, seed: int, tied: bool, hidden: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     bpe = _hf_tokenizer(_train_bpe(400))
@@ -51,7 +51,7 @@ def _model(kind: str, seed: int, tied: bool):
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
     config_class, model_class = classes[kind]
     torch.manual_seed(seed)
-    config = config_class(vocab_size=len(bpe), hidden_size=64, intermediate_size=128,
+    config = config_class(vocab_size=len(bpe), hidden_size=hidden, intermediate_size=2 * hidden,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           max_position_embeddings=128, bos_token_id=0, eos_token_id=0,
                           pad_token_id=0, tie_word_embeddings=tied, rms_norm_eps=1e-6,
@@ -64,11 +64,11 @@ def _model(kind: str, seed: int, tied: bool):
 
 
 def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied: bool = True,
-               tokenizer: bool = True, architecture: str | None = None) -> Path:
+               tokenizer: bool = True, architecture: str | None = None, hidden: int = 64) -> Path:
     """A GGUF file of a tiny random ``kind`` model, tensors quantized as ``types`` says (GGUF
     short names: "attn_q", "token_embd", ... -> "Q4_1"; others F32), with the tests' tokenizer
-    as tokenizer.ggml.* metadata."""
-    model, bpe = _model(kind, seed, tied)
+    as tokenizer.ggml.* metadata. K-quants (which gguf-py cannot make) are random blocks."""
+    model, bpe = _model(kind, seed, tied, hidden)
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), architecture or kind)
     writer.add_name(f"tiny {kind}")
@@ -111,6 +111,8 @@ def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied
             writer.add_tensor(short, np.ascontiguousarray(w, dtype=np.float32))
         elif qtype == "F16":
             writer.add_tensor(short, w.astype(np.float16))
+        elif qtype in ("Q4_K", "Q6_K"):
+            writer.add_tensor(short, _raw(qtype, *w.shape, seed=sum(map(ord, short))), raw_dtype=Q[qtype])
         elif qtype == "Q8_K":  # no quantizer in gguf-py: one block of zeros (the shape is wrong)
             writer.add_tensor(short, np.zeros((1, 292), np.uint8), raw_dtype=Q.Q8_K)
         else:
@@ -147,6 +149,10 @@ QWEN2 = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q
 # llama, tied Q4_0 table: GatherBlockQuantized and the output layer's MatMulNBits share it
 LLAMA_Q4_0 = {k: "Q4_0" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                    "ffn_up", "ffn_down", "token_embd")}
+# llama with K-quants (hidden 256: a super-block): Q4_K (blocks of 32 with minimums) and Q6_K
+# (8 bits, blocks of 16), the tied table Q6_K
+LLAMA_K = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q6_K",
+           "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +162,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
         "llama": write_gguf(root / "llama.gguf", "llama", LLAMA, seed=1),
         "qwen2": write_gguf(root / "qwen2.gguf", "qwen2", QWEN2, seed=2, tied=False),
         "llama_q4_0": write_gguf(root / "q4_0.gguf", "llama", LLAMA_Q4_0, seed=3),
+        "llama_k": write_gguf(root / "k.gguf", "llama", LLAMA_K, seed=5, hidden=256),
     }
 
 
@@ -173,20 +180,20 @@ def _raw(qtype: str, rows: int, columns: int, seed: int) -> np.ndarray:
     """llama.cpp blocks of ``qtype``: gguf-py's quantizer where it has one; random bytes with
     sane scales for the K-quants (any bytes are a valid block but for NaN/inf scales)."""
     rng = np.random.default_rng(seed)
+    if qtype in ("Q4_K", "Q6_K"):
+        scale = (2e-5, 2e-4) if qtype == "Q4_K" else (1e-5, 1e-4)  # weights of about 0.05
+        size = {"Q4_K": 144, "Q6_K": 210}[qtype]
+        raw = rng.integers(0, 256, (rows, columns // 256, size), dtype=np.uint8)
+        d = rng.uniform(*scale, (rows, columns // 256, 1)).astype(np.float16).view(np.uint8)
+        if qtype == "Q4_K":
+            raw[..., 0:2], raw[..., 2:4] = d, d
+        else:
+            raw[..., 208:210] = d
+        return raw.reshape(rows, -1)
     w = (rng.standard_normal((rows, columns)) * 0.05 + rng.standard_normal((rows, 1)) * 0.02
          ).astype(np.float32)
     w[0, :32] = 0.25  # a flat block: scale 0, every weight the minimum
-    if qtype in ("Q4_0", "Q4_1", "Q8_0"):
-        return gguf.quants.quantize(w, Q[qtype])
-    size = {"Q4_K": 144, "Q6_K": 210}[qtype]
-    raw = rng.integers(0, 256, (rows, columns // 256, size), dtype=np.uint8)
-    scales = rng.uniform(1e-4, 1e-2, (rows, columns // 256)).astype(np.float16).view(np.uint8)
-    if qtype == "Q4_K":
-        raw[..., 0:2] = scales.reshape(rows, -1, 2)
-        raw[..., 2:4] = scales.reshape(rows, -1, 2)[:, ::-1]
-    else:
-        raw[..., 208:210] = scales.reshape(rows, -1, 2)
-    return raw.reshape(rows, -1)
+    return gguf.quants.quantize(w, Q[qtype])
 
 
 def _matmul_nbits(packed: Packed) -> np.ndarray:
@@ -260,7 +267,7 @@ def test_tensors_are_transformers_gguf_weights(files):
 
 # -- exported packages --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_q4_0"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_q4_0", "llama_k"])
 def test_exports_equal_the_dequantized_model_at_fp32s_gate(packages, name):
     manifest = edgespec.manifest.Manifest.read(packages[name])
     validation = manifest.target.validation
@@ -273,7 +280,8 @@ def test_exports_equal_the_dequantized_model_at_fp32s_gate(packages, name):
     repacked = weights["tensors"]["repacked"]
     expected = {"llama": {"Q4_0": 4, "Q4_1": 7, "Q8_0": 3},
                 "qwen2": {"Q4_0": 1, "Q4_1": 3, "Q8_0": 6},
-                "llama_q4_0": {"Q4_0": 15}}[name]
+                "llama_q4_0": {"Q4_0": 15},
+                "llama_k": {"Q4_K": 10, "Q6_K": 5}}[name]
     assert repacked == expected
     if name == "qwen2":  # q/k Q4_0 and v Q8_0 share no layout: dequantized, not quantized again
         assert weights["tensors"]["dequantized"] == {"Q4_0": 4, "Q8_0": 2}
@@ -282,7 +290,7 @@ def test_exports_equal_the_dequantized_model_at_fp32s_gate(packages, name):
     assert manifest.source["target"].endswith(".gguf")
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_q4_0"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_q4_0", "llama_k"])
 def test_greedy_output_with_ngram_drafting_is_target_only(packages, name):
     pipe = edgespec.load(packages[name])
     drafted = 0

@@ -35,7 +35,7 @@ dequantized to float32 (and quantized again only as ``--quantize`` asks).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -367,7 +367,20 @@ class GGUFTensors:
         return self._unpermute(name, tensor)
 
     def rows(self, name: str, ids: np.ndarray) -> torch.Tensor:
-        return self.read(name)[torch.from_numpy(np.asarray(ids, dtype=np.int64))]
+        """Rows ``ids`` of a 2-D tensor (not q/k), only their bytes read and dequantized."""
+        entry = self._entry(name)
+        ids = np.asarray(ids, dtype=np.int64)
+        if len(entry.shape) != 2 or entry.kind in KEPT or self._permuted and name.endswith(
+                ("q_proj.weight", "k_proj.weight")):
+            return self.read(name)[torch.from_numpy(ids)]
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        row_bytes = entry.length // entry.shape[0]
+        raw = np.stack([self._bytes(replace(entry, start=entry.start + int(i) * row_bytes,
+                                            length=row_bytes)) for i in ids])
+        return torch.from_numpy(np.ascontiguousarray(
+            dequantize(raw, GGMLQuantizationType[entry.kind]), dtype=np.float32))
 
     def packed(self, names: list[str]) -> Packed | None:
         """The weights ``names`` (``[N_i, K]`` each) stacked along N as MatMulNBits blocks, if
