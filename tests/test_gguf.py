@@ -141,9 +141,10 @@ def _gguf_name(hf: str) -> str:
 LLAMA = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q8_0",
          "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q4_1", "ffn_down.1": "F16",
          "token_embd": "Q8_0"}
-# qwen2, untied: q/k Q4_0 beside v Q8_0 (no shared layout: dequantized), q/k/v biases, o Q4_1,
-# the MLP Q8_0, the table Q4_1 (nibbles split in the graph), the output layer Q4_0
-QWEN2 = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q4_1",
+# qwen2, untied: q/k Q4_0 beside v Q8_0 (no shared layout: a MatMul each), q/k/v biases, o
+# Q5_0 (not repacked: dequantized), the MLP Q8_0, the table Q4_1 (nibbles split in the graph),
+# the output layer Q4_0
+QWEN2 = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q5_0",
          "ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q8_0", "token_embd": "Q4_1",
          "output": "Q4_0"}
 # llama, tied Q4_0 table: GatherBlockQuantized and the output layer's MatMulNBits share it
@@ -279,12 +280,12 @@ def test_exports_equal_the_dequantized_model_at_fp32s_gate(packages, name):
     assert manifest.target.quantization == "int4" and manifest.target.graph == "fused"
     repacked = weights["tensors"]["repacked"]
     expected = {"llama": {"Q4_0": 4, "Q4_1": 7, "Q8_0": 3},
-                "qwen2": {"Q4_0": 1, "Q4_1": 3, "Q8_0": 6},
+                "qwen2": {"Q4_0": 5, "Q4_1": 1, "Q8_0": 8},
                 "llama_q4_0": {"Q4_0": 15},
                 "llama_k": {"Q4_K": 10, "Q6_K": 5}}[name]
     assert repacked == expected
-    if name == "qwen2":  # q/k Q4_0 and v Q8_0 share no layout: dequantized, not quantized again
-        assert weights["tensors"]["dequantized"] == {"Q4_0": 4, "Q8_0": 2}
+    if name == "qwen2":  # Q5_0: dequantized, not quantized again
+        assert weights["tensors"]["dequantized"] == {"Q5_0": 2}
     if name == "llama":
         assert weights["tensors"]["kept"]["F16"] == 1
     assert manifest.source["target"].endswith(".gguf")
@@ -326,7 +327,7 @@ def test_quantize_applies_to_the_weights_that_were_not_repacked(files, tmp_path)
     weights = manifest.target.validation["gguf"]
     assert weights["requantized"] is True and "repack_check" not in weights
     assert manifest.target.quantization == "int8"
-    assert manifest.target.validation["variant"] == "int8"  # the lossy gate: q/k/v quantized
+    assert manifest.target.validation["variant"] == "int8"  # the lossy gate: o quantized
     assert manifest.target.validation["failures"] == []
 
 

@@ -193,10 +193,18 @@ class _Builder:
     def linear(self, name: str, x: str, *modules: str) -> str:
         """x @ W^T (+ b) for one or several Linear layers (checkpoint names without
         ``.weight``) fused along the output axis."""
-        packed = self.packed([f"{m}.weight" for m in modules])
+        names = [f"{m}.weight" for m in modules]
+        packed = self.packed(names)
+        parts = ([self.packed([n]) for n in names] if packed is None and len(names) > 1
+                 else [None])
         if packed is not None:
             out = self.matmul_blocks(x, *self.store_packed(f"{name}.weight", packed),
                                      *packed.shape)
+        elif all(part is not None for part in parts):  # blocks of different layouts (a
+            # Q4_K q|k beside a Q6_K v): one MatMul each, outputs side by side
+            outs = [self.matmul_blocks(x, *self.store_packed(f"{name}.{i}.weight", part),
+                                       *part.shape) for i, part in enumerate(parts)]
+            (out,) = self.node("Concat", outs, axis=-1)
         else:
             w = torch.cat([self.tensors.read(f"{m}.weight") for m in modules])  # [out, in]
             out = self.matmul(f"{name}.weight", x, w)
