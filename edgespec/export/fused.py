@@ -198,11 +198,11 @@ class _Builder:
         parts = ([self.packed([n]) for n in names] if packed is None and len(names) > 1
                  else [None])
         if packed is not None:
-            out = self.matmul_blocks(x, *self.store_packed(f"{name}.weight", packed),
+            out = self.matmul_blocks(x, self.store_packed(f"{name}.weight", packed),
                                      *packed.shape)
         elif all(part is not None for part in parts):  # blocks of different layouts (a
             # Q4_K q|k beside a Q6_K v): one MatMul each, outputs side by side
-            outs = [self.matmul_blocks(x, *self.store_packed(f"{name}.{i}.weight", part),
+            outs = [self.matmul_blocks(x, self.store_packed(f"{name}.{i}.weight", part),
                                        *part.shape) for i, part in enumerate(parts)]
             (out,) = self.node("Concat", outs, axis=-1)
         else:
@@ -238,7 +238,7 @@ class _Builder:
         hand_over = getattr(self.tensors, "packed", None)
         return hand_over(names) if hand_over else None
 
-    def store_packed(self, name: str, packed) -> tuple[_NBits]:
+    def store_packed(self, name: str, packed) -> _NBits:
         """A source's blocks stored as they are (``name``_Q<bits>, _scales), with zero points 0
         and the transposed minimums (_minimums) for blocks that have them."""
         zero = lows = None
@@ -249,20 +249,22 @@ class _Builder:
                                counted=False)
             lows = self.weight(f"{name}_minimums", np.ascontiguousarray(packed.minimums.T),
                                counted=False)
-        return (_NBits(self.weight(f"{name}_Q{packed.bits}", packed.data, counted=False),
-                       self.weight(f"{name}_scales", packed.scales, counted=False), zero,
-                       packed.bits, packed.block_size, lows),)
+        return _NBits(self.weight(f"{name}_Q{packed.bits}", packed.data, counted=False),
+                      self.weight(f"{name}_scales", packed.scales, counted=False), zero,
+                      packed.bits, packed.block_size, lows)
 
     def matmul_blocks(self, x: str, weight: _NBits, n: int, k: int,
                       outputs: list[str] | int = 1) -> str:
         """x @ W^T from a source's blocks. 8-bit blocks in a graph that computes in float are
         dequantized by constant operators that onnxruntime folds into a float32 weight when
-        the session loads (the same numbers, scale * (q - 128), in a plain MatMul): its CPU
-        MatMulNBits dequantizes 8-bit weights on every run in float compute (19 ms for an
-        8192 x 576 weight, one token, against 0.1 ms with int8 activations)."""
+        the session loads (the same numbers, scale * (q - 128), in a Gemm): in float compute
+        onnxruntime's CPU MatMulNBits dequantizes 8-bit weights on every run, two orders of
+        magnitude slower than with int8 activations or a float Gemm."""
+        from onnx import TensorProto
+
         if weight.bits != 8 or self.int8_compute or weight.minimums:
             return self.matmul_nbits(x, weight, n, k, outputs)
-        (q,) = self.node("Cast", [weight.data], to=1)  # float: [N, K / block, block]
+        (q,) = self.node("Cast", [weight.data], to=TensorProto.FLOAT)  # [N, K / block, block]
         (q,) = self.node("Sub", [q, self.constant("zero_point8", np.array(128, np.float32))])
         (scales,) = self.node("Unsqueeze", [weight.scales, self.constant(
             "axis_last", np.array([-1]))])
@@ -414,7 +416,7 @@ class _Builder:
 
         vocab, hidden = packed.shape
         tie = is_tied(self.model) and self.token_ids is None
-        (table,) = self.store_packed("lm_head" if tie else "embed", packed)
+        table = self.store_packed("lm_head" if tie else "embed", packed)
         blocks, size = hidden // packed.block_size, packed.block_size
         if packed.bits == 4 and packed.minimums is None and size == QUANT_BLOCK_SIZE:
             (data,) = self.node("Reshape", [table.data, self.weight(
@@ -468,7 +470,7 @@ class _Builder:
         if packed is not None:
             if self.token_ids is not None:
                 packed = packed.rows(self.token_ids)
-            self.matmul_blocks(normed, *self.store_packed("lm_head", packed), *packed.shape,
+            self.matmul_blocks(normed, self.store_packed("lm_head", packed), *packed.shape,
                                outputs=["logits"])
             return
         weight = self.tensors.read(name)  # [V, hidden]

@@ -24,8 +24,7 @@ weights and to repacked blocks alike.
 A block with a minimum is computed as llama.cpp computes it: x . w = d (x . q) + m sum(x), the
 MatMulNBits with zero point 0 plus the block sums of x times the minimums (a float MatMul of
 K / 32 columns; fused.py). MatMulNBits' float zero points (-m / d) would hold the same numbers,
-but onnxruntime 1.32's CPU kernel takes a slow path for them: 1.9 ms against 0.08 ms for a
-1536 x 576 weight, one token. The graph then equals llama.cpp's dequantization exactly for the
+but onnxruntime 1.32's CPU kernel takes a path about 20x slower for them. The graph then equals llama.cpp's dequantization exactly for the
 types without a minimum, and to float rounding (the order of a sum) with one. F32/F16/BF16
 tensors are read as stored; every other type llama.cpp's Python package can dequantize is
 dequantized to float32 (and quantized again only as ``--quantize`` asks).
