@@ -386,6 +386,9 @@ def test_smollm2_exports_and_answers(tmp_path):
     assert weights["tensors"]["repacked"] == {"Q4_1": 210, "Q8_0": 1}
     validation = manifest.target.validation
     assert validation["variant"] == "fp32" and validation["failures"] == []
+    # the file's special tokens (transformers' converter names BOS <|im_start|> as EOS too)
+    assert manifest.eos_token_ids == [2] and manifest.bos_token_id == 1
+    assert manifest.special_tokens["eos_token"] == "<|im_end|>"
     pipe = edgespec.load(tmp_path / "smol")
     template = (tmp_path / "smol" / "chat_template.jinja").read_text()
     from jinja2 import Template

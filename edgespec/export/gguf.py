@@ -206,8 +206,8 @@ def read_gguf_checkpoint(file: Path, role: str) -> GGUFCheckpoint:
     if architecture not in FAMILIES:
         raise ExportError(
             f"--{role} {file} is a GGUF of architecture {architecture}; edgespec reads GGUF "
-            f"files of {', '.join(FAMILIES)} (and Mistral) models; convert others to a Hugging "
-            "Face folder")
+            f"files of {' and '.join(FAMILIES)} models (Mistral's are llama); export others "
+            "from their Hugging Face folder")
     if "tokenizer.ggml.tokens" not in reader.fields or "tokenizer.ggml.model" not in reader.fields:
         raise ExportError(f"--{role} {file} has no tokenizer (no tokenizer.ggml.* metadata); "
                           "export a GGUF file written with its tokenizer")
