@@ -137,7 +137,8 @@ def _gguf_name(hf: str) -> str:
 
 
 # llama: q/k/v Q4_1 (permuted blocks with minimums), o Q8_0, gate/up Q4_0, down Q4_1 in layer 0
-# and F16 (kept) in layer 1, the tied table Q8_0 (gathered and dequantized by plain operators)
+# and F16 (kept) in layer 1, the tied table Q8_0 (float in a target, gathered and dequantized by
+# plain operators in a draft)
 LLAMA = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q8_0",
          "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q4_1", "ffn_down.1": "F16",
          "token_embd": "Q8_0"}
@@ -279,13 +280,15 @@ def test_exports_equal_the_dequantized_model_at_fp32s_gate(packages, name):
     assert validation["mean_tv"] < 1e-4 and validation["top1_agreement"] == 1.0
     assert manifest.target.quantization == "int4" and manifest.target.graph == "fused"
     repacked = weights["tensors"]["repacked"]
-    expected = {"llama": {"Q4_0": 4, "Q4_1": 7, "Q8_0": 3},
-                "qwen2": {"Q4_0": 5, "Q4_1": 1, "Q8_0": 8},
+    expected = {"llama": {"Q4_0": 4, "Q4_1": 7},
+                "qwen2": {"Q4_0": 5, "Q4_1": 1},
                 "llama_q4_0": {"Q4_0": 15},
-                "llama_k": {"Q4_K": 10, "Q6_K": 5}}[name]
+                "llama_k": {"Q4_K": 10}}[name]
     assert repacked == expected
-    if name == "qwen2":  # Q5_0: dequantized, not quantized again
-        assert weights["tensors"]["dequantized"] == {"Q5_0": 2}
+    # 8-bit blocks are read as floats for float compute; Q5_0 is not repacked
+    dequantized = {"llama": {"Q8_0": 3}, "qwen2": {"Q5_0": 2, "Q8_0": 8}, "llama_q4_0": None,
+                   "llama_k": {"Q6_K": 5}}[name]
+    assert weights["tensors"].get("dequantized") == dequantized
     if name == "llama":
         assert weights["tensors"]["kept"]["F16"] == 1
     assert manifest.source["target"].endswith(".gguf")
@@ -306,12 +309,14 @@ def test_greedy_output_with_ngram_drafting_is_target_only(packages, name):
 
 def test_a_gguf_pair_quantized_draft_is_exact(files, tmp_path):
     """A GGUF target with a GGUF draft (a folder holding one .gguf): the pair checks pass and
-    greedy output with the draft is target-only output; the draft computes in int8."""
+    greedy output with the draft is target-only output; the draft computes in int8, its 8-bit
+    blocks (a Q8_0 table) repacked."""
     folder = tmp_path / "draft"
     folder.mkdir()
-    (folder / "model.gguf").write_bytes(files["llama_q4_0"].read_bytes())
+    (folder / "model.gguf").write_bytes(files["llama"].read_bytes())
     manifest = export_pair(files["llama"], folder, tmp_path / "pair")
     assert manifest.draft.compute == "int8" and manifest.source["draft"].endswith("model.gguf")
+    assert manifest.draft.validation["gguf"]["tensors"]["repacked"]["Q8_0"] == 3
     check = manifest.draft.validation["gguf"]["repack_check"]  # in float compute
     assert check["max_abs_diff_no_cache"] <= check["tolerance"] and check["mean_tv"] < 1e-4
     pipe = edgespec.load(tmp_path / "pair")
@@ -383,7 +388,8 @@ def test_smollm2_exports_and_answers(tmp_path):
     repacked blocks, a chat answer in words, greedy identity with n-gram drafting."""
     manifest = export_pair(SMOLLM2, None, tmp_path / "smol")
     weights = manifest.target.validation["gguf"]
-    assert weights["tensors"]["repacked"] == {"Q4_1": 210, "Q8_0": 1}
+    assert weights["tensors"]["repacked"] == {"Q4_1": 210}
+    assert weights["tensors"]["dequantized"] == {"Q8_0": 1}  # float compute: read as floats
     validation = manifest.target.validation
     assert validation["variant"] == "fp32" and validation["failures"] == []
     # the file's special tokens (transformers' converter names BOS <|im_start|> as EOS too)

@@ -198,12 +198,14 @@ class _Builder:
         parts = ([self.packed([n]) for n in names] if packed is None and len(names) > 1
                  else [None])
         if packed is not None:
-            out = self.matmul_blocks(x, self.store_packed(f"{name}.weight", packed),
-                                     *packed.shape)
-        elif all(part is not None for part in parts):  # blocks of different layouts (a
-            # Q4_K q|k beside a Q6_K v): one MatMul each, outputs side by side
-            outs = [self.matmul_blocks(x, self.store_packed(f"{name}.{i}.weight", part),
-                                       *part.shape) for i, part in enumerate(parts)]
+            out = self.matmul_nbits(x, self.store_packed(f"{name}.weight", packed),
+                                    *packed.shape)
+        elif any(part is not None for part in parts):  # blocks of different layouts, or some
+            # read as floats (a Q4_K q|k beside a Q6_K v): one MatMul each, side by side
+            outs = [self.matmul_nbits(x, self.store_packed(f"{name}.{i}.weight", part),
+                                      *part.shape) if part is not None else
+                    self.matmul(f"{name}.{i}.weight", x, self.tensors.read(n))
+                    for i, (n, part) in enumerate(zip(names, parts))]
             (out,) = self.node("Concat", outs, axis=-1)
         else:
             w = torch.cat([self.tensors.read(f"{m}.weight") for m in modules])  # [out, in]
@@ -234,9 +236,14 @@ class _Builder:
                       QUANT_BLOCK_SIZE)
 
     def packed(self, names: list[str]):
-        """The source's own blocks of these weights (export/gguf.py's Packed), or None."""
+        """The source's own blocks of these weights (export/gguf.py's Packed), or None.
+
+        8-bit blocks only where the MatMuls compute with int8 activations: in float compute
+        onnxruntime's CPU MatMulNBits dequantizes 8-bit weights on every run (two orders of
+        magnitude slower), so there they are read as floats, the same numbers."""
         hand_over = getattr(self.tensors, "packed", None)
-        return hand_over(names) if hand_over else None
+        widths = (4, 8) if self.int8_compute else (4,)
+        return hand_over(names, widths) if hand_over else None
 
     def store_packed(self, name: str, packed) -> _NBits:
         """A source's blocks stored as they are (``name``_Q<bits>, _scales), with zero points 0
@@ -252,29 +259,6 @@ class _Builder:
         return _NBits(self.weight(f"{name}_Q{packed.bits}", packed.data, counted=False),
                       self.weight(f"{name}_scales", packed.scales, counted=False), zero,
                       packed.bits, packed.block_size, lows)
-
-    def matmul_blocks(self, x: str, weight: _NBits, n: int, k: int,
-                      outputs: list[str] | int = 1) -> str:
-        """x @ W^T from a source's blocks. 8-bit blocks in a graph that computes in float are
-        dequantized by constant operators that onnxruntime folds into a float32 weight when
-        the session loads (the same numbers, scale * (q - 128), in a Gemm): in float compute
-        onnxruntime's CPU MatMulNBits dequantizes 8-bit weights on every run, two orders of
-        magnitude slower than with int8 activations or a float Gemm."""
-        from onnx import TensorProto
-
-        if weight.bits != 8 or self.int8_compute or weight.minimums:
-            return self.matmul_nbits(x, weight, n, k, outputs)
-        (q,) = self.node("Cast", [weight.data], to=TensorProto.FLOAT)  # [N, K / block, block]
-        (q,) = self.node("Sub", [q, self.constant("zero_point8", np.array(128, np.float32))])
-        (scales,) = self.node("Unsqueeze", [weight.scales, self.constant(
-            "axis_last", np.array([-1]))])
-        (w,) = self.node("Mul", [q, scales])
-        (w,) = self.node("Reshape", [w, self.weight(f"{weight.data}.shape", np.array([n, k]))])
-        (rows,) = self.node("Reshape", [x, self.constant(f"rows{k}", np.array([-1, k]))])
-        (flat,) = self.node("Gemm", [rows, w], transB=1)  # [S, N], w read as stored: [N, K]
-        (out,) = self.node("Reshape", [flat, self.constant(f"out{n}", np.array([1, -1, n]))],
-                           outputs=outputs if isinstance(outputs, list) else 1)
-        return out
 
     def matmul_nbits(self, x: str, weight: _NBits, n: int, k: int,
                      outputs: list[str] | int = 1) -> str:
@@ -457,7 +441,7 @@ class _Builder:
         the rows of those tokens only."""
         hidden, vocab = self.config.hidden_size, self.config.vocab_size
         if isinstance(tied, _NBits):  # the embedding's blocks
-            self.matmul_blocks(normed, tied, vocab, hidden, outputs=["logits"])
+            self.matmul_nbits(normed, tied, vocab, hidden, outputs=["logits"])
             return
         if tied:
             (rows,) = self.node("Reshape", [normed, self.weight("rows", np.array([-1, hidden]))])
@@ -470,7 +454,7 @@ class _Builder:
         if packed is not None:
             if self.token_ids is not None:
                 packed = packed.rows(self.token_ids)
-            self.matmul_blocks(normed, self.store_packed("lm_head", packed), *packed.shape,
+            self.matmul_nbits(normed, self.store_packed("lm_head", packed), *packed.shape,
                                outputs=["logits"])
             return
         weight = self.tensors.read(name)  # [V, hidden]

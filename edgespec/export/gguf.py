@@ -21,6 +21,9 @@ weights and to repacked blocks alike.
     Q8_0  w = d q              8 bits, block 32, q + 128 against the default zero point 128
     Q6_K  w = d sc (q - 32)    8 bits, block 16 (its sub-blocks), q + 96, zero point 128
 
+8-bit blocks are handed over only to graphs whose MatMuls compute with int8 activations (a
+draft): in float compute they are read as floats (fused.py says why), the same numbers.
+
 A block with a minimum is computed as llama.cpp computes it: x . w = d (x . q) + m sum(x), the
 MatMulNBits with zero point 0 plus the block sums of x times the minimums (a float MatMul of
 K / 32 columns; fused.py). MatMulNBits' float zero points (-m / d) would hold the same numbers,
@@ -47,7 +50,7 @@ from edgespec.export.pair import Checkpoint
 FAMILIES = ("llama", "qwen2")
 PERMUTED = ("llama",)  # architectures whose q/k rows llama.cpp's converter permutes
 KEPT = ("F32", "F16", "BF16")
-REPACKED = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K")
+REPACKED = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q6_K": 8}  # -> MatMulNBits bits
 _TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _QK_K = 256  # a K-quant super-block
 
@@ -381,11 +384,12 @@ class GGUFTensors:
         return torch.from_numpy(np.ascontiguousarray(
             dequantize(raw, GGMLQuantizationType[entry.kind]), dtype=np.float32))
 
-    def packed(self, names: list[str]) -> Packed | None:
+    def packed(self, names: list[str], widths: tuple[int, ...] = (4, 8)) -> Packed | None:
         """The weights ``names`` (``[N_i, K]`` each) stacked along N as MatMulNBits blocks, if
-        each is of a repacked type and they share a layout; else None (read them as floats)."""
+        each is of a repacked type of one of ``widths`` bits and they share a layout; else
+        None (read them as floats)."""
         entries = [self._entry(name) for name in names]
-        if any(e.kind not in REPACKED or len(e.shape) != 2 for e in entries):
+        if any(REPACKED.get(e.kind) not in widths or len(e.shape) != 2 for e in entries):
             return None
         parts = []
         for name, entry in zip(names, entries):
