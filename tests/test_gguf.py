@@ -103,7 +103,8 @@ def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied
         w = value.float().numpy()
         base = short.split(".")[-2] if short.startswith("blk.") else short.split(".")[0]
         if kind == "llama" and base in ("attn_q", "attn_k"):
-            w = _permute(w, cfg.num_attention_heads if base == "attn_q" else cfg.num_key_value_heads)
+            heads = cfg.num_attention_heads if base == "attn_q" else cfg.num_key_value_heads
+            w = _permute(w, heads)
         qtype = types.get(base, "F32") if name.endswith("weight") and w.ndim == 2 else "F32"
         layer = int(short.split(".")[1]) if short.startswith("blk.") else None
         qtype = types.get(f"{base}.{layer}", qtype)
@@ -112,7 +113,8 @@ def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied
         elif qtype == "F16":
             writer.add_tensor(short, w.astype(np.float16))
         elif qtype in ("Q4_K", "Q6_K"):
-            writer.add_tensor(short, _raw(qtype, *w.shape, seed=sum(map(ord, short))), raw_dtype=Q[qtype])
+            writer.add_tensor(short, _raw(qtype, *w.shape, seed=sum(map(ord, short))),
+                              raw_dtype=Q[qtype])
         elif qtype == "Q8_K":  # no quantizer in gguf-py: one block of zeros (the shape is wrong)
             writer.add_tensor(short, np.zeros((1, 292), np.uint8), raw_dtype=Q.Q8_K)
         else:
@@ -213,8 +215,9 @@ def _matmul_nbits(packed: Packed) -> np.ndarray:
         inputs.append("Z")
     node = helper.make_node("MatMulNBits", inputs, ["y"], domain="com.microsoft", K=k, N=n,
                             bits=packed.bits, block_size=packed.block_size)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])], inits)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 8

@@ -107,9 +107,10 @@ def build_fused_graph(model: PreTrainedModel, tensors, folder: Path, keep_precis
     head_rows = 0 if tie or not tied else (
         len(token_ids) if token_ids is not None else model.config.vocab_size)
     if hasattr(tensors, "packed"):  # blocks as stored, some maybe dequantized: at most 8x
-        external = 8 * tensors.nbytes > EXTERNAL_ABOVE
+        stored = 8 * tensors.nbytes
     else:
-        external = _stored_bytes(model, tensors, keep_precision, bits, head_rows) > EXTERNAL_ABOVE
+        stored = _stored_bytes(model, tensors, keep_precision, bits, head_rows)
+    external = stored > EXTERNAL_ABOVE
     with WeightStore(folder, external=external, keep_precision=keep_precision) as store:
         builder = _Builder(model, tensors, store, tie=tie, bits=bits, int8_compute=int8_compute,
                            token_ids=token_ids, progress=progress or (lambda line: None))
@@ -424,7 +425,8 @@ class _Builder:
         (scale,) = self.node("Unsqueeze", [scale, last])
         if table.minimums:  # scale * q + minimum; the minimums are stored [blocks, V]
             (w,) = self.node("Mul", [q, scale])
-            (low,) = self.node("Gather", [table.minimums, "input_ids"], axis=1)  # [blocks, 1, S]
+            (low,) = self.node("Gather", [table.minimums, "input_ids"],
+                               axis=1)  # [blocks, 1, S]
             (low,) = self.node("Transpose", [low], perm=[1, 2, 0])
             (low,) = self.node("Unsqueeze", [low, last])
             (w,) = self.node("Add", [w, low])

@@ -27,8 +27,9 @@ draft): in float compute they are read as floats (fused.py says why), the same n
 A block with a minimum is computed as llama.cpp computes it: x . w = d (x . q) + m sum(x), the
 MatMulNBits with zero point 0 plus the block sums of x times the minimums (a float MatMul of
 K / 32 columns; fused.py). MatMulNBits' float zero points (-m / d) would hold the same numbers,
-but onnxruntime 1.32's CPU kernel takes a path about 20x slower for them. The graph then equals llama.cpp's dequantization exactly for the
-types without a minimum, and to float rounding (the order of a sum) with one. F32/F16/BF16
+but onnxruntime 1.32's CPU kernel takes a path about 20x slower for them. The graph then equals
+llama.cpp's dequantization exactly for the types without a minimum, and to float rounding (the
+order of a sum) with one. F32/F16/BF16
 tensors are read as stored; every other type llama.cpp's Python package can dequantize is
 dequantized to float32 (and quantized again only as ``--quantize`` asks).
 ``GGUFTensors.record`` says which tensor went which way; the manifest keeps it.
@@ -46,7 +47,7 @@ import torch
 from edgespec.errors import ExportError
 from edgespec.export.pair import Checkpoint
 
-# general.architecture -> the model_type the fused builder reads (Mistral files say "llama")
+# the general.architecture values read (llama.cpp writes Mistral models as "llama")
 FAMILIES = ("llama", "qwen2")
 PERMUTED = ("llama",)  # architectures whose q/k rows llama.cpp's converter permutes
 KEPT = ("F32", "F16", "BF16")
@@ -165,7 +166,8 @@ def find_gguf(path: Path, role: str) -> Path | None:
     path = Path(path)
     if path.suffix.lower() == ".gguf" and not path.is_dir():
         if not path.is_file():
-            raise ExportError(f"--{role} {path} does not exist; pass a .gguf file or a model folder")
+            raise ExportError(f"--{role} {path} does not exist; pass a .gguf file or a model "
+                              "folder")
         return path
     if not path.is_dir() or (path / "config.json").is_file():
         return None
