@@ -312,12 +312,13 @@ def test_greedy_output_with_ngram_drafting_is_target_only(packages, name):
 
 def test_a_gguf_pair_quantized_draft_is_exact(files, tmp_path):
     """A GGUF target with a GGUF draft (a folder holding one .gguf): the pair checks pass and
-    greedy output with the draft is target-only output; the draft computes in int8, its 8-bit
-    blocks (a Q8_0 table) repacked."""
+    greedy output with the draft is target-only output; a draft asked to be int4 computes in
+    int8, its 8-bit blocks (a Q8_0 table) repacked too, checked in float compute."""
     folder = tmp_path / "draft"
     folder.mkdir()
-    (folder / "model.gguf").write_bytes(files["llama"].read_bytes())
-    manifest = export_pair(files["llama"], folder, tmp_path / "pair")
+    # the target's weights, every matrix in a repacked type (its layer 1 ffn_down is F16)
+    write_gguf(folder / "model.gguf", "llama", {**LLAMA, "ffn_down.1": "Q4_1"}, seed=1)
+    manifest = export_pair(files["llama"], folder, tmp_path / "pair", draft_quantize="int4")
     assert manifest.draft.compute == "int8" and manifest.source["draft"].endswith("model.gguf")
     assert manifest.draft.validation["gguf"]["tensors"]["repacked"]["Q8_0"] == 3
     check = manifest.draft.validation["gguf"]["repack_check"]  # in float compute

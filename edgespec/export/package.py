@@ -198,7 +198,8 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
                     variant if variant in EXPORT_QUANTIZATIONS else None)
     spec = replace(describe_graph(folder, root, **about), graph=graph, stored=dict(stored),
                    quantization=quantization,
-                   compute="int8" if role == "draft" and quantization else "float")
+                   compute="int8" if role == "draft" and variant in EXPORT_QUANTIZATIONS
+                   else "float")
     extra = {"gguf": weights} if weights else {}
     if token_ids is not None:
         np.save(folder / TOKEN_IDS_NAME, token_ids)
@@ -279,13 +280,13 @@ def _write_fused(ckpt: Checkpoint, folder: Path, role: str, variant: str,
     bits = int(variant[3:]) if variant in EXPORT_QUANTIZATIONS else None
     report.detail(f"writing the fused graph ({variant}, "
                   f"{'one tensor at a time' if loaded is None else 'from the loaded model'})")
-    gguf = isinstance(tensors, GGUFTensors)
     stored = build_fused_graph(model, tensors, folder, keep_precision=variant != "fp16",
-                               bits=bits, int8_compute=(bool(bits) or gguf) and role == "draft",
+                               bits=bits, int8_compute=bool(bits) and role == "draft",
                                token_ids=token_ids, progress=report.detail)
     about = {"architecture": ckpt.config.model_type,
              "parameters": sum(p.numel() for p in model.parameters())}
-    if gguf:
+    if isinstance(tensors, GGUFTensors):  # a GGUF draft computes in int8 only as
+        # --draft-quantize asks: int8 activations moved SmolLM2-135M's logits by up to 5
         about["gguf"] = _gguf_weights(tensors, bits)
         report.detail("GGUF tensors: " + "; ".join(
             f"{how} {', '.join(f'{n} {kind}' for kind, n in kinds.items())}"
