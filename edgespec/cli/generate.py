@@ -38,10 +38,11 @@ _DEFAULTS = GenerationConfig()  # the CLI's defaults are the library's
 
 @main.command()
 @click.option("--target", required=True, type=click.Path(path_type=Path),
-              help="Hugging Face folder of the large model whose output you want.")
+              help="Hugging Face folder or GGUF file (a .gguf, or a folder holding one) of "
+                   "the large model whose output you want.")
 @click.option("--draft", type=click.Path(path_type=Path),
-              help="Hugging Face folder of the small model that proposes tokens. Without it: "
-                   "a target-only package, decoded with n-gram drafting.")
+              help="Hugging Face folder or GGUF file of the small model that proposes "
+                   "tokens. Without it: a target-only package, decoded with n-gram drafting.")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Package folder to create.")
 @click.option("--overwrite", is_flag=True,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -87,6 +88,9 @@ def build_fused_graph(model: PreTrainedModel, tensors, folder: Path, keep_precis
     Weights go straight to disk as they are made (model.onnx_data above 64 MB of them).
     progress: a line after each layer (layers done, MB written, seconds). Returns the number of
     float weights per stored type.
+    A source that holds quantized blocks already (export/gguf.py) hands them over through
+    ``tensors.packed(names)``: those weights become MatMulNBits (and the embedding a gather of
+    the same blocks) as they are, whatever ``bits`` says; ``bits`` applies to the others.
     """
     reason = why_not_fused(model.config)
     if reason:
@@ -102,7 +106,11 @@ def build_fused_graph(model: PreTrainedModel, tensors, folder: Path, keep_precis
         tie = tied and token_ids is None and keep_precision
     head_rows = 0 if tie or not tied else (
         len(token_ids) if token_ids is not None else model.config.vocab_size)
-    external = _stored_bytes(model, tensors, keep_precision, bits, head_rows) > EXTERNAL_ABOVE
+    if hasattr(tensors, "packed"):  # blocks as stored, some maybe dequantized: at most 8x
+        stored = 8 * tensors.nbytes
+    else:
+        stored = _stored_bytes(model, tensors, keep_precision, bits, head_rows)
+    external = stored > EXTERNAL_ABOVE
     with WeightStore(folder, external=external, keep_precision=keep_precision) as store:
         builder = _Builder(model, tensors, store, tie=tie, bits=bits, int8_compute=int8_compute,
                            token_ids=token_ids, progress=progress or (lambda line: None))
@@ -134,6 +142,19 @@ def _stored_bytes(model, tensors, keep_precision: bool, bits: int | None,
     return tensors.nbytes if keep_precision else parameters * 4
 
 
+class _NBits(NamedTuple):
+    """A weight stored as MatMulNBits blocks: the initializers' names and the layout.
+    ``minimums``: a float offset per block (``[K / block_size, N]``; the blocks' zero points
+    ``zero_points`` are 0)."""
+
+    data: str
+    scales: str
+    zero_points: str | None
+    bits: int
+    block_size: int
+    minimums: str | None = None
+
+
 class _Builder:
     """Collects nodes while walking the model's layers once; weights go to the store."""
 
@@ -145,12 +166,20 @@ class _Builder:
         self.token_ids = token_ids
         self.progress = progress
         self.nodes = []
+        self.constants: set[str] = set()
 
     # -- small helpers ------------------------------------------------------------------------
 
     def weight(self, name: str, value: torch.Tensor | np.ndarray, counted: bool = True) -> str:
         """A constant input; float tensors keep their stored type behind a Cast."""
         return self.store.add(name, value, self.nodes, counted)
+
+    def constant(self, name: str, value: np.ndarray) -> str:
+        """A small constant several nodes read, stored once."""
+        if name not in self.constants:
+            self.constants.add(name)
+            self.weight(name, value)
+        return name
 
     def node(self, op: str, inputs: list[str], outputs: list[str] | int = 1, domain: str = "",
              **attrs) -> list[str]:
@@ -165,8 +194,23 @@ class _Builder:
     def linear(self, name: str, x: str, *modules: str) -> str:
         """x @ W^T (+ b) for one or several Linear layers (checkpoint names without
         ``.weight``) fused along the output axis."""
-        w = torch.cat([self.tensors.read(f"{m}.weight") for m in modules])  # [out, in]
-        out = self.matmul(f"{name}.weight", x, w)
+        names = [f"{m}.weight" for m in modules]
+        packed = self.packed(names)
+        parts = ([self.packed([n]) for n in names] if packed is None and len(names) > 1
+                 else [None])
+        if packed is not None:
+            out = self.matmul_nbits(x, self.store_packed(f"{name}.weight", packed),
+                                    *packed.shape)
+        elif any(part is not None for part in parts):  # blocks of different layouts, or some
+            # read as floats (a Q4_K q|k beside a Q6_K v): one MatMul each, side by side
+            outs = [self.matmul_nbits(x, self.store_packed(f"{name}.{i}.weight", part),
+                                      *part.shape) if part is not None else
+                    self.matmul(f"{name}.{i}.weight", x, self.tensors.read(n))
+                    for i, (n, part) in enumerate(zip(names, parts))]
+            (out,) = self.node("Concat", outs, axis=-1)
+        else:
+            w = torch.cat([self.tensors.read(f"{m}.weight") for m in modules])  # [out, in]
+            out = self.matmul(f"{name}.weight", x, w)
         if f"{modules[0]}.bias" in self.tensors:
             b = torch.cat([self.tensors.read(f"{m}.bias") for m in modules])
             (out,) = self.node("Add", [out, self.weight(f"{name}.bias", b)])
@@ -179,24 +223,64 @@ class _Builder:
         if not self.bits:
             (out,) = self.node("MatMul", [x, self.weight(name, w.T)], outputs=outputs)
             return out
-        table, scales = self.quantized(name, w)
-        return self.matmul_nbits(x, table, scales, *w.shape, outputs=outputs)
+        return self.matmul_nbits(x, self.quantized(name, w), *w.shape, outputs=outputs)
 
     def quantized(self, name: str, w: torch.Tensor, shape: tuple[int, ...] | None = None
-                  ) -> tuple[str, str]:
+                  ) -> _NBits:
         """w's blocks and scales stored as ``name``_Q<bits> (in ``shape`` if given) and
         ``name``_scales."""
         packed, scales = quantize_blocks(w, self.bits)
         if shape:
             packed = packed.reshape(shape)
-        return (self.weight(f"{name}_Q{self.bits}", packed, counted=False),
-                self.weight(f"{name}_scales", scales, counted=False))
+        return _NBits(self.weight(f"{name}_Q{self.bits}", packed, counted=False),
+                      self.weight(f"{name}_scales", scales, counted=False), None, self.bits,
+                      QUANT_BLOCK_SIZE)
 
-    def matmul_nbits(self, x: str, table: str, scales: str, n: int, k: int,
+    def packed(self, names: list[str]):
+        """The source's own blocks of these weights (export/gguf.py's Packed), or None.
+
+        8-bit blocks only where the MatMuls compute with int8 activations: in float compute
+        onnxruntime's CPU MatMulNBits dequantizes 8-bit weights on every run (two orders of
+        magnitude slower), so there they are read as floats, the same numbers."""
+        hand_over = getattr(self.tensors, "packed", None)
+        widths = (4, 8) if self.int8_compute else (4,)
+        return hand_over(names, widths) if hand_over else None
+
+    def store_packed(self, name: str, packed) -> _NBits:
+        """A source's blocks stored as they are (``name``_Q<bits>, _scales), with zero points 0
+        and the transposed minimums (_minimums) for blocks that have them."""
+        zero = lows = None
+        if packed.minimums is not None:
+            n, blocks = packed.scales.shape
+            columns = -(-blocks * packed.bits // 8)  # zero points packed as the weights are
+            zero = self.weight(f"{name}_zero_points", np.zeros((n, columns), np.uint8),
+                               counted=False)
+            lows = self.weight(f"{name}_minimums", np.ascontiguousarray(packed.minimums.T),
+                               counted=False)
+        return _NBits(self.weight(f"{name}_Q{packed.bits}", packed.data, counted=False),
+                      self.weight(f"{name}_scales", packed.scales, counted=False), zero,
+                      packed.bits, packed.block_size, lows)
+
+    def matmul_nbits(self, x: str, weight: _NBits, n: int, k: int,
                      outputs: list[str] | int = 1) -> str:
+        """x @ W^T from W's blocks; with minimums, + (x's block sums) @ minimums, which is
+        sum_k x_k (scale q_k + minimum) summed block by block (llama.cpp's Q4_1 dot product)."""
         level = {"accuracy_level": INT8_COMPUTE} if self.int8_compute else {}
-        (out,) = self.node("MatMulNBits", [x, table, scales], outputs=outputs, domain=_MS, K=k,
-                           N=n, bits=self.bits, block_size=QUANT_BLOCK_SIZE, **level)
+        inputs = [x, weight.data, weight.scales] + ([weight.zero_points] if weight.zero_points
+                                                     else [])
+        final = outputs
+        if weight.minimums:
+            outputs = 1
+        (out,) = self.node("MatMulNBits", inputs, outputs=outputs, domain=_MS, K=k, N=n,
+                           bits=weight.bits, block_size=weight.block_size, **level)
+        if not weight.minimums:
+            return out
+        (sums,) = self.node("Reshape", [x, self.constant(
+            f"blocks{weight.block_size}.shape", np.array([0, 0, -1, weight.block_size]))])
+        (sums,) = self.node("ReduceSum", [sums, self.constant("axis_last", np.array([-1]))],
+                            keepdims=0)  # [1, S, K / block]
+        (offset,) = self.node("MatMul", [sums, weight.minimums])  # [1, S, N]
+        (out,) = self.node("Add", [out, offset], outputs=final)
         return out
 
     def skip_norm(self, name: str, x: str, skip: str, norm: str) -> tuple[str, str]:
@@ -273,27 +357,31 @@ class _Builder:
         return helper.make_graph(self.nodes, "edgespec_fused_decoder", inputs, outputs,
                                  self.store.initializers)
 
-    def embedding(self) -> tuple[str, tuple[str, ...]]:
+    def embedding(self) -> tuple[str, _NBits | tuple[str, ...]]:
         """The Gather of input_ids' rows, and the stored table a tied output layer reads.
 
         int4 (hidden a whole number of blocks): a GatherBlockQuantized over uint8 ``[V, H/2]``
         with its default zero point 8, the layout of MatMulNBits' blocks of the same table. A
         tied table is stored once, as the output layer's MatMulNBits weight ``[V, H/32, 16]``,
         and the Gather reads it through a Reshape. Otherwise the table in its stored type.
+        A source's own blocks are stored and gathered as they are (``packed_embedding``).
         """
+        packed = self.packed([EMBED])
+        if packed is not None:
+            return self.packed_embedding(packed)
         table = self.tensors.read(EMBED)  # [V, H]
         vocab, hidden = table.shape
         if self.bits == 4 and hidden % QUANT_BLOCK_SIZE == 0:
             if self.tie:
-                data, scales = self.quantized("lm_head", table)
-                tied = (data, scales)
+                tied = self.quantized("lm_head", table)
+                data, scales = tied.data, tied.scales
                 (data,) = self.node("Reshape", [data, self.weight(
                     "tied.shape", np.array([vocab, hidden // 2]))], outputs=["tied.table"])
                 (scales,) = self.node("Reshape", [scales, self.weight(
                     "tied.scale_shape", np.array([vocab, hidden // QUANT_BLOCK_SIZE]))],
                     outputs=["tied.scales"])
             else:
-                data, scales = self.quantized("embed", table, shape=(vocab, hidden // 2))
+                data, scales = self.quantized("embed", table, shape=(vocab, hidden // 2))[:2]
                 tied = ()
             (x,) = self.node("GatherBlockQuantized", [data, "input_ids", scales], domain=_MS,
                              block_size=QUANT_BLOCK_SIZE, gather_axis=0, quantize_axis=1)
@@ -302,13 +390,60 @@ class _Builder:
         (x,) = self.node("Gather", [embed, "input_ids"])
         return x, (embed,) if self.tie else ()
 
-    def lm_head(self, normed: str, tied: tuple[str, ...]) -> None:
+    def packed_embedding(self, packed) -> tuple[str, _NBits | tuple]:
+        """The Gather of a source's blocks ``[V, H]``, stored once for a tied output layer too.
+
+        4 bits without zero points, blocks of 32: GatherBlockQuantized (its default zero point
+        8). Otherwise the rows are gathered and dequantized by plain operators, as MatMulNBits
+        computes them, nibbles split with Div/Mod on int32.
+        """
+        from onnx import TensorProto
+
+        vocab, hidden = packed.shape
+        tie = is_tied(self.model) and self.token_ids is None
+        table = self.store_packed("lm_head" if tie else "embed", packed)
+        blocks, size = hidden // packed.block_size, packed.block_size
+        if packed.bits == 4 and packed.minimums is None and size == QUANT_BLOCK_SIZE:
+            (data,) = self.node("Reshape", [table.data, self.weight(
+                "table.shape", np.array([vocab, hidden // 2]))])
+            (x,) = self.node("GatherBlockQuantized", [data, "input_ids", table.scales],
+                             domain=_MS, block_size=size, gather_axis=0, quantize_axis=1)
+            return x, table if tie else ()
+        last = self.constant("axis_last", np.array([-1]))
+        (rows,) = self.node("Gather", [table.data, "input_ids"])  # [1, S, blocks, bytes]
+        (q,) = self.node("Cast", [rows], to=TensorProto.INT32)
+        if packed.bits == 4:
+            sixteen = self.weight("sixteen", np.array(16, dtype=np.int32))
+            (low,) = self.node("Mod", [q, sixteen])
+            (high,) = self.node("Div", [q, sixteen])
+            pair = [self.node("Unsqueeze", [v, last])[0] for v in (low, high)]
+            (both,) = self.node("Concat", pair, axis=-1)  # [1, S, blocks, bytes, 2]
+            (q,) = self.node("Reshape", [both, self.weight(
+                "blocks.shape", np.array([0, 0, blocks, size]))])
+        (q,) = self.node("Cast", [q], to=TensorProto.FLOAT)
+        (scale,) = self.node("Gather", [table.scales, "input_ids"])
+        (scale,) = self.node("Unsqueeze", [scale, last])
+        if table.minimums:  # scale * q + minimum; the minimums are stored [blocks, V]
+            (w,) = self.node("Mul", [q, scale])
+            (low,) = self.node("Gather", [table.minimums, "input_ids"],
+                               axis=1)  # [blocks, 1, S]
+            (low,) = self.node("Transpose", [low], perm=[1, 2, 0])
+            (low,) = self.node("Unsqueeze", [low, last])
+            (w,) = self.node("Add", [w, low])
+        else:  # scale * (q - 2^(bits-1))
+            zero = self.weight("zero_point", np.array(1 << (packed.bits - 1), dtype=np.float32))
+            (centered,) = self.node("Sub", [q, zero])
+            (w,) = self.node("Mul", [centered, scale])
+        (x,) = self.node("Reshape", [w, self.weight("hidden.shape", np.array([0, 0, hidden]))])
+        return x, table if tie else ()
+
+    def lm_head(self, normed: str, tied: _NBits | tuple[str, ...]) -> None:
         """logits = normed @ W^T. A tied W is the embedding's stored table: in int4 the same
         MatMulNBits bytes, in float the table read transposed by Gemm. With token_ids, W is
         the rows of those tokens only."""
         hidden, vocab = self.config.hidden_size, self.config.vocab_size
-        if len(tied) == 2:  # int4: (blocks, scales)
-            self.matmul_nbits(normed, *tied, vocab, hidden, outputs=["logits"])
+        if isinstance(tied, _NBits):  # the embedding's blocks
+            self.matmul_nbits(normed, tied, vocab, hidden, outputs=["logits"])
             return
         if tied:
             (rows,) = self.node("Reshape", [normed, self.weight("rows", np.array([-1, hidden]))])
@@ -316,7 +451,15 @@ class _Builder:
             self.node("Reshape", [flat, self.weight("logits_shape", np.array([1, -1, vocab]))],
                       outputs=["logits"])
             return
-        weight = self.tensors.read(EMBED if is_tied(self.model) else HEAD)  # [V, hidden]
+        name = EMBED if is_tied(self.model) else HEAD
+        packed = self.packed([name])
+        if packed is not None:
+            if self.token_ids is not None:
+                packed = packed.rows(self.token_ids)
+            self.matmul_nbits(normed, self.store_packed("lm_head", packed), *packed.shape,
+                               outputs=["logits"])
+            return
+        weight = self.tensors.read(name)  # [V, hidden]
         if self.token_ids is not None:
             weight = weight[torch.from_numpy(self.token_ids.astype(np.int64))]  # [N, hidden]
         self.matmul("lm_head", normed, weight, output="logits")

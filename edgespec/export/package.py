@@ -31,8 +31,9 @@ from edgespec.export.precision import (
     quantize_weights,
     store_exact_halves,
 )
+from edgespec.export.gguf import GGUFCheckpoint, GGUFTensors, find_gguf
 from edgespec.export.pair import Checkpoint, check_pair, read_checkpoint
-from edgespec.export.runs import TARGET_COMPUTES, choose_runs
+from edgespec.export.runs import TARGET_COMPUTES, choose_runs, set_compute
 from edgespec.export.tensors import CheckpointTensors, ModelTensors, safetensors_files
 from edgespec.export.vocab import TOKEN_IDS_NAME, coverage, frequent_tokens
 from edgespec.export.validate import (
@@ -65,6 +66,10 @@ def export_pair(
     draft_vocab_texts: tuple[Path, ...] = (),
 ) -> Manifest:
     """Export a target/draft pair of Hugging Face causal LMs into the package folder ``out``.
+
+    target, draft: Hugging Face model folders, or GGUF files (a .gguf, or a folder holding one):
+    their quantized blocks are repacked as they are where onnxruntime can hold them
+    (export/gguf.py), and ``quantize`` applies to the weights that could not be.
 
     draft None: a target-only package (no draft graph; the manifest's draft is null), which
     decodes with n-gram drafting (runtime/drafters.py) or the target alone.
@@ -100,7 +105,7 @@ def export_pair(
     if target_compute not in TARGET_COMPUTES:
         raise ExportError(f"target_compute must be one of {', '.join(TARGET_COMPUTES)}, "
                           f"got {target_compute!r}")
-    if target_compute == "int8" and not quantize:
+    if target_compute == "int8" and not quantize and find_gguf(Path(target), "target") is None:
         raise ExportError("target_compute int8 needs a quantized target; quantize it int4 "
                           "or int8")
     if validation not in VALIDATIONS:
@@ -165,6 +170,15 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
     """
     folder = root / role
     reason = why_not_fused(ckpt.config)
+    if isinstance(ckpt, GGUFCheckpoint):
+        if reason or graph == "optimum":
+            raise ExportError(f"--{role} {ckpt.path}: GGUF files are exported with edgespec's "
+                              f"fused graph, and {reason or 'optimum was asked for'}; "
+                              + ("drop --graph optimum" if not reason else
+                                 "export the model's Hugging Face folder instead"))
+        if variant == "fp16":
+            raise ExportError(f"--{role} {ckpt.path}: a GGUF file's blocks compute in float32; "
+                              "drop --dtype fp16")
     if graph == "auto":
         graph = "optimum" if reason else "fused"
         if reason:
@@ -179,23 +193,48 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
                                                ids if validation != "skip" else None, report)
     if token_ids is not None and expected is not None:
         expected = expected[:, token_ids]  # the columns the graph scores
+    weights = about.pop("gguf", None)  # a GGUF file's tensors: repacked, kept, dequantized
+    quantization = (weights["quantization"] if weights else
+                    variant if variant in EXPORT_QUANTIZATIONS else None)
     spec = replace(describe_graph(folder, root, **about), graph=graph, stored=dict(stored),
-                   quantization=variant if variant in EXPORT_QUANTIZATIONS else None,
-                   compute="int8" if role == "draft" and variant in EXPORT_QUANTIZATIONS else "float")
+                   quantization=quantization,
+                   compute="int8" if role == "draft" and variant in EXPORT_QUANTIZATIONS
+                   else "float")
+    extra = {"gguf": weights} if weights else {}
     if token_ids is not None:
         np.save(folder / TOKEN_IDS_NAME, token_ids)
         spec = replace(spec, token_ids=f"{role}/{TOKEN_IDS_NAME}")
     runs = {}
+    if weights and target_compute == "auto":  # the file's numbers: int8 activations round
+        target_compute = "float"  # (on SmolLM2-135M they changed its chat answers)
     if role == "target" and variant != "fp16":
         report.detail("measuring the target's runs: compute, rows, costs")
         spec, runs = choose_runs(root, spec, ckpt.max_positions, target_compute, report.detail)
+    if weights and validation != "skip" and not weights["requantized"] and spec.compute != "float":
+        report.detail("checking the repacked blocks against PyTorch in float compute (fp32's gate)")
+        exact, failures = _check_repacked(expected, ids, root, spec, ckpt.max_positions, role)
+        _refuse_failures(failures, validation, role, report)
+        report.detail(f"repacked blocks: {_figures_line(exact)}")
+        weights["repack_check"] = {k: exact[k] for k in (
+            "max_abs_diff_no_cache", "tolerance", "mean_tv", "top1_agreement")}
+    if weights:  # repacked blocks compute as the dequantized model does: fp32's gate, unless
+        # weights were quantized again or the MatMuls compute with int8 activations
+        variant = (quantization if weights["requantized"] or spec.compute == "int8"
+                   else "fp32")
     if validation == "skip":
         return replace(spec, validation={"variant": variant, "skipped": True,
-                                         **({"runs": runs} if runs else {})})
+                                         **({"runs": runs} if runs else {}), **extra})
 
     report.detail(f"validating against PyTorch ({reference})")
     figures, failures = validate_graph(expected, ids, root, spec, ckpt.max_positions, variant,
                                        role)
+    _refuse_failures(failures, validation, role, report)
+    report.detail(_figures_line(figures))
+    return replace(spec, validation={**figures, "reference": reference, "failures": failures,
+                                     **({"runs": runs} if runs else {}), **extra})
+
+
+def _refuse_failures(failures: list[str], validation: str, role: str, report: "_Steps") -> None:
     if failures and validation == "strict":
         lines = "\n  ".join(failures)
         raise ExportError(
@@ -204,9 +243,21 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
         )
     for failure in failures:
         report.detail(f"validation failed (--validate report): {failure}")
-    report.detail(_figures_line(figures))
-    return replace(spec, validation={**figures, "reference": reference, "failures": failures,
-                                     **({"runs": runs} if runs else {})})
+
+
+def _check_repacked(expected: np.ndarray, ids: np.ndarray, root: Path, spec, max_positions: int,
+                    role: str) -> tuple[dict, list[str]]:
+    """A GGUF graph's repacked blocks against the dequantized weights in PyTorch, with float
+    compute and fp32's gate whatever the graph will compute in (int8 activations round)."""
+    folder = root / Path(spec.path).parent
+    if spec.compute != "float":
+        set_compute(folder, "float")
+    try:
+        return validate_graph(expected, ids, root, replace(spec, compute="float"), max_positions,
+                              "fp32", role)
+    finally:
+        if spec.compute != "float":
+            set_compute(folder, spec.compute)
 
 
 def _write_fused(ckpt: Checkpoint, folder: Path, role: str, variant: str,
@@ -214,11 +265,14 @@ def _write_fused(ckpt: Checkpoint, folder: Path, role: str, variant: str,
     """Write the fused graph in its final precision; (stored types, about, reference logits,
     how they were computed).
 
-    From the safetensors files a tensor at a time, the reference a layer at a time; a
-    checkpoint without them (pytorch_model.bin) is loaded whole, as optimum's is.
+    From the safetensors files (or a GGUF file) a tensor at a time, the reference a layer at a
+    time; a checkpoint without them (pytorch_model.bin) is loaded whole, as optimum's is.
+    A GGUF file's reference is its dequantized weights.
     """
     model = meta_model(ckpt.config)
-    if safetensors_files(ckpt.path):
+    if isinstance(ckpt, GGUFCheckpoint):
+        tensors, loaded = GGUFTensors(ckpt.path, model), None
+    elif safetensors_files(ckpt.path):
         tensors, loaded = CheckpointTensors(ckpt.path), None
     else:
         loaded = load_model(ckpt.path)
@@ -231,6 +285,12 @@ def _write_fused(ckpt: Checkpoint, folder: Path, role: str, variant: str,
                                token_ids=token_ids, progress=report.detail)
     about = {"architecture": ckpt.config.model_type,
              "parameters": sum(p.numel() for p in model.parameters())}
+    if isinstance(tensors, GGUFTensors):  # a GGUF draft computes in int8 only as
+        # --draft-quantize asks: int8 activations moved SmolLM2-135M's logits by up to 5
+        about["gguf"] = _gguf_weights(tensors, bits)
+        report.detail("GGUF tensors: " + "; ".join(
+            f"{how} {', '.join(f'{n} {kind}' for kind, n in kinds.items())}"
+            for how, kinds in about["gguf"]["tensors"].items()))
     expected = reference = None
     if ids is not None and loaded is None:
         reference = "PyTorch, layer by layer"
@@ -246,6 +306,18 @@ def _write_fused(ckpt: Checkpoint, folder: Path, role: str, variant: str,
         report.detail("converting to fp16")
         convert_fp16(folder)
     return stored, about, expected, reference
+
+
+def _gguf_weights(tensors: GGUFTensors, bits: int | None) -> dict:
+    """What became of a GGUF file's tensors, and the graph's quantization: the --quantize
+    asked if it quantized matrices again, else that of the repacked blocks (int4 where any are
+    4-bit)."""
+    requantized = bool(bits) and tensors.requantizable
+    repacked = tensors.repacked_bits
+    quantization = (f"int{bits}" if requantized else
+                    f"int{min(repacked)}" if repacked else None)
+    return {"tensors": tensors.summary, "requantized": requantized,
+            "quantization": quantization}
 
 
 def _write_optimum(ckpt: Checkpoint, folder: Path, role: str, variant: str,

@@ -81,10 +81,19 @@ class Checkpoint:
 
 
 def read_checkpoint(path: Path, role: str) -> Checkpoint:
-    """Read config and tokenizer of a causal LM, or say plainly why the folder is not one."""
+    """Read config and tokenizer of a causal LM, or say plainly why the folder is not one.
+
+    A .gguf file, or a folder holding one and no config.json, is read as a GGUF checkpoint
+    (export/gguf.py)."""
+    from edgespec.export.gguf import find_gguf, read_gguf_checkpoint
+
     path = Path(path)
+    gguf_file = find_gguf(path, role)
+    if gguf_file is not None:
+        return read_gguf_checkpoint(gguf_file, role)
     if not path.is_dir():
-        raise ExportError(f"--{role} {path} is not a folder; pass a Hugging Face model folder")
+        raise ExportError(f"--{role} {path} is not a folder; pass a Hugging Face model folder "
+                          "or a .gguf file")
     if not (path / "config.json").is_file():
         raise ExportError(
             f"--{role} {path} has no config.json; pass a Hugging Face model folder "

@@ -1,0 +1,413 @@
+"""GGUF files in (export/gguf.py): llama.cpp's blocks repacked for MatMulNBits hold the numbers
+llama.cpp's own dequantization gives, the tensors read are transformers' GGUF load's, exported
+graphs equal the dequantized model at fp32's gate, greedy output is the same with and without
+drafting, and bad files are refused in one line.
+
+The GGUF files are written here from tiny random checkpoints with llama.cpp's own writer and
+quantizer (gguf-py), as its convert_hf_to_gguf.py writes them (q/k rows permuted for Llama).
+The real SmolLM2-135M-Instruct file is tested only where EDGESPEC_SMOLLM2_GGUF names it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import _hf_tokenizer, _train_bpe
+
+import edgespec
+from edgespec.cli import main
+from edgespec.errors import ExportError
+from edgespec.export import export_pair
+from edgespec.export.gguf import REPACKED, Packed, repack
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+# HF name (without "model.") -> GGUF name, per layer
+_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+          "post_attention_layernorm": "ffn_norm"}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute (its rotary layout)."""
+    return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _model(kind: str, seed: int, tied: bool, hidden: int = 64):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    bpe = _hf_tokenizer(_train_bpe(400))
+    if kind == "qwen2":  # transformers' Qwen2 GGUF tokenizer adds these unless the file has them
+        bpe.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    config_class, model_class = classes[kind]
+    torch.manual_seed(seed)
+    config = config_class(vocab_size=len(bpe), hidden_size=hidden, intermediate_size=2 * hidden,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=128, bos_token_id=0, eos_token_id=0,
+                          pad_token_id=0, tie_word_embeddings=tied, rms_norm_eps=1e-6,
+                          rope_theta=10000.0)
+    model = model_class(config).eval()
+    with torch.no_grad():  # weights of a trained model's size, norms away from 1
+        for name, p in model.named_parameters():
+            p.normal_(1, 0.1) if "norm" in name else p.normal_(0, 0.3 if "bias" in name else 0.08)
+    return model, bpe
+
+
+def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied: bool = True,
+               tokenizer: bool = True, architecture: str | None = None, hidden: int = 64) -> Path:
+    """A GGUF file of a tiny random ``kind`` model, tensors quantized as ``types`` says (GGUF
+    short names: "attn_q", "token_embd", ... -> "Q4_1"; others F32), with the tests' tokenizer
+    as tokenizer.ggml.* metadata. K-quants (which gguf-py cannot make) are random blocks."""
+    model, bpe = _model(kind, seed, tied, hidden)
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), architecture or kind)
+    writer.add_name(f"tiny {kind}")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_vocab_size(cfg.vocab_size)
+    if tokenizer:
+        backend = json.loads(bpe.backend_tokenizer.to_str())
+        vocab = sorted(backend["model"]["vocab"].items(), key=lambda item: item[1])
+        specials = {t.content for t in bpe.added_tokens_decoder.values()}
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list([t for t, _ in vocab])
+        writer.add_token_types([3 if t in specials else 1 for t, _ in vocab])
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m)
+                                 for m in backend["model"]["merges"]])
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(0)
+        writer.add_pad_token_id(0)
+        writer.add_add_bos_token(False)
+    for name, value in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        short = _gguf_name(name)
+        w = value.float().numpy()
+        base = short.split(".")[-2] if short.startswith("blk.") else short.split(".")[0]
+        if kind == "llama" and base in ("attn_q", "attn_k"):
+            heads = cfg.num_attention_heads if base == "attn_q" else cfg.num_key_value_heads
+            w = _permute(w, heads)
+        qtype = types.get(base, "F32") if name.endswith("weight") and w.ndim == 2 else "F32"
+        layer = int(short.split(".")[1]) if short.startswith("blk.") else None
+        qtype = types.get(f"{base}.{layer}", qtype)
+        if qtype == "F32":
+            writer.add_tensor(short, np.ascontiguousarray(w, dtype=np.float32))
+        elif qtype == "F16":
+            writer.add_tensor(short, w.astype(np.float16))
+        elif qtype in ("Q4_K", "Q6_K"):
+            writer.add_tensor(short, _raw(qtype, *w.shape, seed=sum(map(ord, short))),
+                              raw_dtype=Q[qtype])
+        elif qtype == "Q8_K":  # no quantizer in gguf-py: one block of zeros (the shape is wrong)
+            writer.add_tensor(short, np.zeros((1, 292), np.uint8), raw_dtype=Q.Q8_K)
+        else:
+            writer.add_tensor(short, gguf.quants.quantize(w, Q[qtype]), raw_dtype=Q[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = hf.split(".", 3)
+    module, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER[module]}.{suffix}"
+
+
+# llama: q/k/v Q4_1 (permuted blocks with minimums), o Q8_0, gate/up Q4_0, down Q4_1 in layer 0
+# and F16 (kept) in layer 1, the tied table Q8_0 (float in a target, gathered and dequantized by
+# plain operators in a draft)
+LLAMA = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q8_0",
+         "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q4_1", "ffn_down.1": "F16",
+         "token_embd": "Q8_0"}
+# qwen2, untied: q/k Q4_0 beside v Q8_0 (no shared layout: a MatMul each), q/k/v biases, o
+# Q5_0 (not repacked: dequantized), the MLP Q8_0, the table Q4_1 (nibbles split in the graph),
+# the output layer Q4_0
+QWEN2 = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q5_0",
+         "ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q8_0", "token_embd": "Q4_1",
+         "output": "Q4_0"}
+# llama, tied Q4_0 table: GatherBlockQuantized and the output layer's MatMulNBits share it
+LLAMA_Q4_0 = {k: "Q4_0" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                   "ffn_up", "ffn_down", "token_embd")}
+# llama with K-quants (hidden 256: a super-block): Q4_K (blocks of 32 with minimums) and Q6_K
+# (8 bits, blocks of 16), the tied table Q6_K
+LLAMA_K = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q6_K",
+           "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf")
+    return {
+        "llama": write_gguf(root / "llama.gguf", "llama", LLAMA, seed=1),
+        "qwen2": write_gguf(root / "qwen2.gguf", "qwen2", QWEN2, seed=2, tied=False),
+        "llama_q4_0": write_gguf(root / "q4_0.gguf", "llama", LLAMA_Q4_0, seed=3),
+        "llama_k": write_gguf(root / "k.gguf", "llama", LLAMA_K, seed=5, hidden=256),
+    }
+
+
+@pytest.fixture(scope="module")
+def packages(files, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf_packages")
+    for name, file in files.items():
+        export_pair(file, None, root / name)
+    return {name: root / name for name in files}
+
+
+# -- the blocks ---------------------------------------------------------------------------------
+
+def _raw(qtype: str, rows: int, columns: int, seed: int) -> np.ndarray:
+    """llama.cpp blocks of ``qtype``: gguf-py's quantizer where it has one; random bytes with
+    sane scales for the K-quants (any bytes are a valid block but for NaN/inf scales)."""
+    rng = np.random.default_rng(seed)
+    if qtype in ("Q4_K", "Q6_K"):
+        scale = (2e-5, 2e-4) if qtype == "Q4_K" else (1e-5, 1e-4)  # weights of about 0.05
+        size = {"Q4_K": 144, "Q6_K": 210}[qtype]
+        raw = rng.integers(0, 256, (rows, columns // 256, size), dtype=np.uint8)
+        d = rng.uniform(*scale, (rows, columns // 256, 1)).astype(np.float16).view(np.uint8)
+        if qtype == "Q4_K":
+            raw[..., 0:2], raw[..., 2:4] = d, d
+        else:
+            raw[..., 208:210] = d
+        return raw.reshape(rows, -1)
+    w = (rng.standard_normal((rows, columns)) * 0.05 + rng.standard_normal((rows, 1)) * 0.02
+         ).astype(np.float32)
+    w[0, :32] = 0.25  # a flat block: scale 0, every weight the minimum
+    return gguf.quants.quantize(w, Q[qtype])
+
+
+def _matmul_nbits(packed: Packed) -> np.ndarray:
+    """The weight onnxruntime's MatMulNBits computes with (identity rows in, float compute):
+    with minimums, zero point 0 and the minimums added as the fused graph adds them."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    n, k = packed.shape
+    inits = [numpy_helper.from_array(packed.data, "B"), numpy_helper.from_array(packed.scales, "S")]
+    inputs = ["x", "B", "S"]
+    if packed.minimums is not None:
+        columns = -(-packed.scales.shape[1] * packed.bits // 8)
+        inits.append(numpy_helper.from_array(np.zeros((n, columns), np.uint8), "Z"))
+        inputs.append("Z")
+    node = helper.make_node("MatMulNBits", inputs, ["y"], domain="com.microsoft", K=k, N=n,
+                            bits=packed.bits, block_size=packed.block_size)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    w = session.run(None, {"x": np.eye(k, dtype=np.float32)})[0].T  # [N, K]
+    if packed.minimums is not None:
+        w = w + np.repeat(packed.minimums, packed.block_size, axis=1)
+    return w
+
+
+@pytest.mark.parametrize("qtype", REPACKED)
+def test_repacked_blocks_hold_llama_cpps_numbers(qtype):
+    """Each repacked type, through onnxruntime's MatMulNBits, gives llama.cpp's dequantization
+    (gguf-py's): exactly for the types without a minimum, to float rounding with one."""
+    raw = _raw(qtype, 48, 512, seed=len(qtype))
+    expected = gguf.quants.dequantize(raw, Q[qtype])  # [48, 512]
+    packed = repack(raw, qtype)
+    assert packed.shape == expected.shape
+    for got in (packed.dequantize(), _matmul_nbits(packed)):
+        if packed.minimums is None:
+            np.testing.assert_array_equal(got, expected)
+        else:
+            scale = np.abs(expected).max()
+            assert np.abs(got - expected).max() <= 1e-6 * scale
+
+
+def test_tensors_are_transformers_gguf_weights(files):
+    """Read a tensor at a time (names mapped, q/k rows un-permuted, blocks dequantized), the
+    file gives the state transformers' own GGUF loader makes of it; and each repacked weight,
+    q and k included, is the same numbers as the float read."""
+    pytest.importorskip("accelerate")  # transformers loads a GGUF model only with it
+    from transformers import AutoModelForCausalLM
+
+    from edgespec.export.gguf import GGUFTensors, read_gguf_checkpoint
+    from edgespec.export.graph import meta_model
+
+    for name in ("llama", "qwen2"):
+        file = files[name]
+        loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name)
+        ckpt = read_gguf_checkpoint(file, "target")
+        tensors = GGUFTensors(file, meta_model(ckpt.config))
+        for key, value in loaded.state_dict().items():
+            if key == "lm_head.weight" and loaded.config.tie_word_embeddings:
+                continue
+            np.testing.assert_array_equal(tensors.read(key).float().numpy(), value.numpy(),
+                                          err_msg=key)
+            packed = tensors.packed([key]) if value.ndim == 2 else None
+            if packed is not None:
+                np.testing.assert_allclose(packed.dequantize(), value.numpy(), rtol=0,
+                                           atol=1e-6 * float(value.abs().max()), err_msg=key)
+
+
+# -- exported packages --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_q4_0", "llama_k"])
+def test_exports_equal_the_dequantized_model_at_fp32s_gate(packages, name):
+    manifest = edgespec.manifest.Manifest.read(packages[name])
+    validation = manifest.target.validation
+    weights = validation["gguf"]
+    assert weights["requantized"] is False and validation["failures"] == []
+    assert validation["variant"] == "fp32" and manifest.target.compute == "float"
+    assert validation["max_abs_diff_no_cache"] <= validation["tolerance"]
+    assert validation["mean_tv"] < 1e-4 and validation["top1_agreement"] == 1.0
+    assert manifest.target.quantization == "int4" and manifest.target.graph == "fused"
+    repacked = weights["tensors"]["repacked"]
+    expected = {"llama": {"Q4_0": 4, "Q4_1": 7},
+                "qwen2": {"Q4_0": 5, "Q4_1": 1},
+                "llama_q4_0": {"Q4_0": 15},
+                "llama_k": {"Q4_K": 10}}[name]
+    assert repacked == expected
+    # 8-bit blocks are read as floats for float compute; Q5_0 is not repacked
+    dequantized = {"llama": {"Q8_0": 3}, "qwen2": {"Q5_0": 2, "Q8_0": 8}, "llama_q4_0": None,
+                   "llama_k": {"Q6_K": 5}}[name]
+    assert weights["tensors"].get("dequantized") == dequantized
+    if name == "llama":
+        assert weights["tensors"]["kept"]["F16"] == 1
+    assert manifest.source["target"].endswith(".gguf")
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_q4_0", "llama_k"])
+def test_greedy_output_with_ngram_drafting_is_target_only(packages, name):
+    pipe = edgespec.load(packages[name])
+    drafted = 0
+    for prompt in ("def add(a, b):\n    return a + b\ndef add(a, b):\n", "a b a b a b a b"):
+        baseline = pipe.generate(prompt, max_new_tokens=24, use_draft=False).token_ids
+        result = pipe.generate(prompt, max_new_tokens=24, gamma=4, schedule="fixed",
+                               drafter="ngram")
+        assert result.token_ids == baseline
+        drafted += result.stats.drafted
+    assert drafted > 0
+
+
+def test_a_gguf_pair_quantized_draft_is_exact(files, tmp_path):
+    """A GGUF target with a GGUF draft (a folder holding one .gguf): the pair checks pass and
+    greedy output with the draft is target-only output; a draft asked to be int4 computes in
+    int8, its 8-bit blocks (a Q8_0 table) repacked too, checked in float compute."""
+    folder = tmp_path / "draft"
+    folder.mkdir()
+    # the target's weights, every matrix in a repacked type (its layer 1 ffn_down is F16)
+    write_gguf(folder / "model.gguf", "llama", {**LLAMA, "ffn_down.1": "Q4_1"}, seed=1)
+    manifest = export_pair(files["llama"], folder, tmp_path / "pair", draft_quantize="int4")
+    assert manifest.draft.compute == "int8" and manifest.source["draft"].endswith("model.gguf")
+    assert manifest.draft.validation["gguf"]["tensors"]["repacked"]["Q8_0"] == 3
+    check = manifest.draft.validation["gguf"]["repack_check"]  # in float compute
+    assert check["max_abs_diff_no_cache"] <= check["tolerance"] and check["mean_tv"] < 1e-4
+    pipe = edgespec.load(tmp_path / "pair")
+    prompt = "for i in range(10):\n    print(i * i)\n"
+    baseline = pipe.generate(prompt, max_new_tokens=24, use_draft=False).token_ids
+    result = pipe.generate(prompt, max_new_tokens=24, gamma=3, schedule="fixed")
+    assert result.token_ids == baseline and result.stats.drafted > 0
+
+
+def test_quantize_applies_to_the_weights_that_were_not_repacked(files, tmp_path):
+    manifest = export_pair(files["qwen2"], None, tmp_path / "q", quantize="int8",
+                           target_compute="float")
+    weights = manifest.target.validation["gguf"]
+    assert weights["requantized"] is True and "repack_check" not in weights
+    assert manifest.target.quantization == "int8"
+    assert manifest.target.validation["variant"] == "int8"  # the lossy gate: o quantized
+    assert manifest.target.validation["failures"] == []
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+def _truncated(path: Path, good: Path) -> Path:
+    data = good.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    return path
+
+
+@pytest.mark.parametrize("case,match", [
+    ("phi3", "architecture phi3"),
+    ("no_tokenizer", "has no tokenizer"),
+    ("truncated", "truncated"),
+    ("Q8_K", "type Q8_K"),
+    ("two_files", "holds 2 .gguf files"),
+])
+def test_bad_gguf_files_are_one_line_errors_and_write_nothing(files, tmp_path, case, match):
+    if case == "phi3":
+        bad = write_gguf(tmp_path / "phi.gguf", "llama", LLAMA_Q4_0, architecture="phi3")
+    elif case == "no_tokenizer":
+        bad = write_gguf(tmp_path / "bare.gguf", "llama", LLAMA_Q4_0, tokenizer=False)
+    elif case == "truncated":
+        bad = _truncated(tmp_path / "cut.gguf", files["llama"])
+    elif case == "Q8_K":
+        # llama.cpp's intermediate Q8_K, which gguf-py cannot dequantize
+        bad = write_gguf(tmp_path / "q8k.gguf", "llama", {**LLAMA_Q4_0, "ffn_up.1": "Q8_K"})
+    else:
+        bad = tmp_path / "two"
+        bad.mkdir()
+        for n in ("a", "b"):
+            (bad / f"{n}.gguf").write_bytes(files["llama"].read_bytes())
+    with pytest.raises(ExportError, match=match) as error:
+        export_pair(bad, None, tmp_path / "out")
+    assert str(bad) in str(error.value)
+    result = CliRunner().invoke(main, ["export", "--target", str(bad), "--out",
+                                       str(tmp_path / "cli")])
+    assert result.exit_code == 1 and match in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and match in errors[0] and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cli").exists()
+
+
+# -- the real file --------------------------------------------------------------------------------
+
+SMOLLM2 = os.environ.get("EDGESPEC_SMOLLM2_GGUF")
+
+
+@pytest.mark.skipif(not SMOLLM2, reason="EDGESPEC_SMOLLM2_GGUF names no SmolLM2 GGUF file")
+def test_smollm2_exports_and_answers(tmp_path):
+    """SmolLM2-135M-Instruct (Q4_1, Q8_0 table): every matrix repacked, fp32's gate on the
+    repacked blocks, a chat answer in words, greedy identity with n-gram drafting."""
+    manifest = export_pair(SMOLLM2, None, tmp_path / "smol")
+    weights = manifest.target.validation["gguf"]
+    assert weights["tensors"]["repacked"] == {"Q4_1": 210}
+    assert weights["tensors"]["dequantized"] == {"Q8_0": 1}  # float compute: read as floats
+    validation = manifest.target.validation
+    assert validation["variant"] == "fp32" and validation["failures"] == []
+    # the file's special tokens (transformers' converter names BOS <|im_start|> as EOS too)
+    assert manifest.eos_token_ids == [2] and manifest.bos_token_id == 1
+    assert manifest.special_tokens["eos_token"] == "<|im_end|>"
+    pipe = edgespec.load(tmp_path / "smol")
+    template = (tmp_path / "smol" / "chat_template.jinja").read_text()
+    from jinja2 import Template
+
+    text = Template(template).render(
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True)
+    prompt = pipe.tokenizer.encode(text, add_special_tokens=False).ids  # its BOS only once
+    baseline = pipe.generate(prompt, max_new_tokens=32, use_draft=False)
+    assert baseline.text.strip() and "Paris" in baseline.text
+    result = pipe.generate(prompt, max_new_tokens=32, gamma=4, schedule="fixed", drafter="ngram")
+    assert result.token_ids == baseline.token_ids
