@@ -152,6 +152,7 @@ def test_ctrl_c_stops_a_reply_and_not_the_session(chatml_package, pipe, monkeypa
     """Ctrl-C after the first piece of the first reply: that reply ends (cancelled) and
     stays in the history as far as it went; the next message is answered after it."""
     chat_stream = Pipeline.chat_stream
+    handler = signal.getsignal(signal.SIGINT)  # what Ctrl-C ran before: put back after
     calls = []
 
     class CtrlCAfterFirstPiece:  # presses Ctrl-C: calls what SIGINT would run now
@@ -188,7 +189,7 @@ def test_ctrl_c_stops_a_reply_and_not_the_session(chatml_package, pipe, monkeypa
     second = pipe.chat([user("hello"), assistant(partial), user("and then?")],
                        max_new_tokens=40, drafter="none").text
     assert result.stdout == f"{partial}\n{second}\n"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    assert signal.getsignal(signal.SIGINT) is handler  # put back
 
 
 def test_chat_drops_the_oldest_turns_when_the_window_fills(chat_package):

@@ -19,7 +19,10 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "edgespec"
 NAME = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w-]+\.(?:py|md|toml))(?![\w/])")
 # Files of other projects that comments cite for their ideas.
-EXTERNAL = {"utils/chat_template_utils.py"}  # transformers' chat template helpers
+EXTERNAL = {
+    "utils/chat_template_utils.py",  # transformers' chat template helpers
+    "convert_hf_to_gguf.py",  # llama.cpp's converter
+}
 
 
 def repository_files() -> list[str]:

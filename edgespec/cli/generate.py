@@ -182,6 +182,10 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
     if config.sampling.greedy and (top_k is not None or top_p is not None):
         click.echo("warning: --top-k and --top-p do nothing at temperature 0 (greedy); "
                    "give --temperature to sample", err=True)
+    if not as_chat and pipe.manifest.chat_template is not None:
+        click.echo("note: this package is a chat model: PROMPT is continued as plain text; "
+                   "--chat answers it as a message through the chat template (edgespec chat "
+                   "for a conversation)", err=True)
     if as_chat:
         messages = [*([{"role": "system", "content": system}] if system else []),
                     {"role": "user", "content": prompt}]
