@@ -24,7 +24,7 @@ import edgespec
 from edgespec.cli import main
 from edgespec.errors import ExportError
 from edgespec.export import export_pair
-from edgespec.export.gguf import REPACKED, Packed, repack
+from edgespec.export.gguf_blocks import REPACKED, Packed, repack
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType

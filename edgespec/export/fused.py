@@ -1,5 +1,8 @@
 """A fused ONNX graph for Llama-family decoders, written from the checkpoint's weights.
 
+(Over 400 lines on purpose: one builder writes the whole graph in one pass, and the ops of a
+layer, with the checkpoint's float weights and a GGUF file's own blocks, read best together.)
+
 optimum's graph spells attention out in ~100 small ops a layer (shape arithmetic, rotary
 slices, concatenating the cache), and each op costs dispatch time that dominates a small
 model's decode step. This builder emits the few fused onnxruntime operators the model needs

@@ -13,23 +13,8 @@ permutes the rows of a Llama model's q and k weights for its rotary layout
 (convert_hf_to_gguf.py's ``permute``); the inverse row permutation is applied here, to float
 weights and to repacked blocks alike.
 
-**Repacked, not re-quantized** where onnxruntime's MatMulNBits holds the same numbers (``repack``):
-
-    Q4_0  w = d (q - 8)        4 bits, block 32, the default zero point 8
-    Q4_1  w = d q + m          4 bits, block 32, scale d, zero point 0, the block's minimum m
-    Q4_K  w = d sc q - dmin m  4 bits, blocks of 32 (its sub-blocks), zero point 0, minimums
-    Q8_0  w = d q              8 bits, block 32, q + 128 against the default zero point 128
-    Q6_K  w = d sc (q - 32)    8 bits, block 16 (its sub-blocks), q + 96, zero point 128
-
-8-bit blocks are handed over only to graphs whose MatMuls compute with int8 activations (a
-draft): in float compute they are read as floats (fused.py says why), the same numbers.
-
-A block with a minimum is computed as llama.cpp computes it: x . w = d (x . q) + m sum(x), the
-MatMulNBits with zero point 0 plus the block sums of x times the minimums (a float MatMul of
-K / 32 columns; fused.py). MatMulNBits' float zero points (-m / d) would hold the same numbers,
-but onnxruntime 1.32's CPU kernel takes a path about 20x slower for them. The graph then equals
-llama.cpp's dequantization exactly for the types without a minimum, and to float rounding (the
-order of a sum) with one. F32/F16/BF16
+**Repacked, not re-quantized** where onnxruntime's MatMulNBits holds the same numbers
+(gguf_blocks.py: Q4_0, Q4_1, Q4_K, Q8_0, Q6_K). F32/F16/BF16
 tensors are read as stored; every other type llama.cpp's Python package can dequantize is
 dequantized to float32 (and quantized again only as ``--quantize`` asks).
 ``GGUFTensors.record`` says which tensor went which way; the manifest keeps it.
@@ -46,119 +31,15 @@ import torch
 
 from edgespec.errors import ExportError
 from edgespec.export.pair import Checkpoint
+from edgespec.export.gguf_blocks import REPACKED, Packed, concat, repack
+from edgespec.export.tensors import TensorIndex
 
 # the general.architecture values read (llama.cpp writes Mistral models as "llama")
 FAMILIES = ("llama", "qwen2")
 PERMUTED = ("llama",)  # architectures whose q/k rows llama.cpp's converter permutes
 KEPT = ("F32", "F16", "BF16")
-REPACKED = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q6_K": 8}  # -> MatMulNBits bits
 _TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-_QK_K = 256  # a K-quant super-block
 
-
-@dataclass(frozen=True)
-class Packed:
-    """A weight ``[N, K]`` as MatMulNBits stores it: ``data`` uint8 ``[N, K / block_size,
-    block_size * bits / 8]`` (4 bits: two values a byte, low nibble first), ``scales`` float32
-    ``[N, K / block_size]``, ``minimums`` float32 like the scales, or None. Each weight is
-    scale * (q - 2^(bits - 1)) (MatMulNBits' default zero point), or with minimums
-    scale * q + minimum (zero point 0)."""
-
-    bits: int
-    block_size: int
-    data: np.ndarray
-    scales: np.ndarray
-    minimums: np.ndarray | None = None
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        n, blocks, _ = self.data.shape
-        return n, blocks * self.block_size
-
-    def rows(self, ids: np.ndarray) -> "Packed":
-        """Rows ``ids`` only (an output layer restricted to some tokens; a row permutation)."""
-        take = lambda a: None if a is None else np.ascontiguousarray(a[ids])  # noqa: E731
-        return Packed(self.bits, self.block_size, take(self.data), take(self.scales),
-                      take(self.minimums))
-
-    def dequantize(self) -> np.ndarray:
-        """float32 ``[N, K]``: what MatMulNBits computes with (the tests' check)."""
-        q = self.data
-        if self.bits == 4:
-            q = np.stack([q & 15, q >> 4], -1).reshape(*q.shape[:2], -1)
-        if self.minimums is None:
-            w = (q.astype(np.float32) - np.float32(1 << (self.bits - 1))) * self.scales[..., None]
-        else:
-            w = q.astype(np.float32) * self.scales[..., None] + self.minimums[..., None]
-        return w.reshape(self.shape)
-
-
-def concat(parts: list[Packed]) -> Packed | None:
-    """Weights stacked along N (q|k|v, gate|up) if they share one layout, else None."""
-    first = parts[0]
-    layouts = {(p.bits, p.block_size, p.minimums is None, p.shape[1]) for p in parts}
-    if len(layouts) > 1:
-        return None
-    if len(parts) == 1:
-        return first
-    lows = None if first.minimums is None else np.concatenate([p.minimums for p in parts])
-    return Packed(first.bits, first.block_size, np.concatenate([p.data for p in parts]),
-                  np.concatenate([p.scales for p in parts]), lows)
-
-
-def repack(raw: np.ndarray, qtype: str) -> Packed:
-    """llama.cpp blocks ``raw`` (uint8 ``[N, bytes a row]``) of type ``qtype`` (one of
-    REPACKED) as MatMulNBits blocks holding the same numbers."""
-    n = len(raw)
-    half = lambda a: a.view(np.float16).astype(np.float32)[..., 0]  # noqa: E731
-    if qtype in ("Q4_0", "Q4_1"):
-        head = 2 if qtype == "Q4_0" else 4
-        blocks = raw.reshape(n, -1, head + 16)
-        d = half(blocks[..., :2].copy())
-        qs = blocks[..., head:]
-        q = np.concatenate([qs & 15, qs >> 4], -1)  # [N, B, 32]: low nibbles are the first 16
-        if qtype == "Q4_0":
-            return Packed(4, 32, _pack4(q), d)
-        return Packed(4, 32, _pack4(q), d, half(blocks[..., 2:4].copy()))
-    if qtype == "Q8_0":
-        blocks = raw.reshape(n, -1, 34)
-        q = blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 128
-        return Packed(8, 32, q.astype(np.uint8), half(blocks[..., :2].copy()))
-    if qtype == "Q4_K":
-        blocks = raw.reshape(n * (raw.shape[1] // 144), 144)  # super-blocks of 256
-        d, dmin = half(blocks[:, 0:2].copy()), half(blocks[:, 2:4].copy())
-        sc, m = _q4k_scale_min(blocks[:, 4:16])  # [S, 8] 6-bit each
-        qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
-        q = (qs & 15).reshape(n, -1, 32)  # sub-block 2c: low nibbles of chunk c, 2c+1: high
-        scale = (d[:, None] * sc.astype(np.float32)).reshape(n, -1)
-        minimum = -(dmin[:, None] * m.astype(np.float32)).reshape(n, -1)
-        return Packed(4, 32, _pack4(q), scale, minimum)
-    if qtype == "Q6_K":
-        blocks = raw.reshape(-1, 210)
-        ql, qh = blocks[:, :128], blocks[:, 128:192]
-        sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
-        d = half(blocks[:, 208:210].copy())
-        low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]) & 15
-        high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
-        q = low.reshape(-1, 2, 4, 32) | (high.reshape(-1, 2, 4, 32) << 4)  # 0..63, in order
-        data = (q.reshape(n, -1, 16).astype(np.uint16) + 96).astype(np.uint8)  # q - 32 + 128
-        return Packed(8, 16, data, (d[:, None] * sc).reshape(n, -1))
-    raise ValueError(f"{qtype} is not repacked")
-
-
-def _pack4(q: np.ndarray) -> np.ndarray:
-    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
-
-
-def _q4k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's twelve bytes of 6-bit scales and minimums -> ([S, 8], [S, 8]) (gguf-py's layout)."""
-    d, m, m_d = np.split(scales.reshape(-1, 3, 4), 3, axis=-2)
-    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc.reshape(-1, 8), mn.reshape(-1, 8)
-
-
-# -- the file -----------------------------------------------------------------------------------
 
 def find_gguf(path: Path, role: str) -> Path | None:
     """The GGUF file ``path`` names: itself, or the one .gguf in a folder without config.json;
@@ -293,7 +174,7 @@ class _Tensor:
     length: int
 
 
-class GGUFTensors:
+class GGUFTensors(TensorIndex):
     """The tensors of a GGUF file under the Hugging Face names, read one at a time
     (tensors.py's interface), and repacked MatMulNBits blocks for the fused builder (``packed``).
 
@@ -301,6 +182,10 @@ class GGUFTensors:
     type; ``requantizable``: whether a matrix was handed over as floats (which --quantize
     then quantizes again).
     """
+
+    @property
+    def _missing_hint(self) -> str:
+        return f"is it a complete GGUF file of a {self.config.model_type} model?"
 
     def __init__(self, file: Path, model):
         from gguf import GGUFReader
@@ -321,16 +206,6 @@ class GGUFTensors:
                     int(t.data_offset), int(t.n_bytes))
         self.record: dict[str, dict] = {}
         del reader
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._entries
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._entry(name).shape
-
-    @property
-    def nbytes(self) -> int:
-        return sum(e.length for e in self._entries.values())
 
     @property
     def summary(self) -> dict:
@@ -404,13 +279,6 @@ class GGUFTensors:
         return joined
 
     # -- helpers --------------------------------------------------------------------------
-
-    def _entry(self, name: str) -> _Tensor:
-        try:
-            return self._entries[name]
-        except KeyError:
-            raise ExportError(f"{self.path} has no tensor for {name}; is it a complete GGUF "
-                              f"file of a {self.config.model_type} model?") from None
 
     def _bytes(self, entry: _Tensor) -> np.ndarray:
         buffer = bytearray(entry.length)

@@ -1,5 +1,8 @@
 """``edgespec export``: check the pair, export and validate both graphs, write the package.
 
+(Over 400 lines on purpose: the export's steps in order, from the arguments to the folder
+renamed into place; each step's work lives in the module it calls.)
+
 The destination is checked before any work and the package is built in a hidden temporary
 folder renamed into place at the end (``destination.py``): a failed or interrupted export leaves
 nothing behind, and ``--overwrite`` replaces only an edgespec package.

@@ -36,14 +36,11 @@ class _Entry:
     length: int
 
 
-class CheckpointTensors:
-    """The tensors of a Hugging Face checkpoint folder's safetensors files, read on demand."""
+class TensorIndex:
+    """What a file-backed tensor source knows before reading: its entries by the names the
+    builder asks for (``_entries``: each with a ``shape`` and its stored ``length`` in bytes)."""
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self._entries: dict[str, _Entry] = {}
-        for file in safetensors_files(self.path):
-            self._entries.update(_read_header(file))
+    _entries: dict
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries
@@ -55,6 +52,24 @@ class CheckpointTensors:
     def nbytes(self) -> int:
         """Bytes of every tensor, as stored."""
         return sum(e.length for e in self._entries.values())
+
+    def _entry(self, name: str):
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise ExportError(f"{self.path} has no tensor {name}; {self._missing_hint}") from None
+
+    _missing_hint = "is it a checkpoint of the architecture its config.json names?"
+
+
+class CheckpointTensors(TensorIndex):
+    """The tensors of a Hugging Face checkpoint folder's safetensors files, read on demand."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._entries: dict[str, _Entry] = {}
+        for file in safetensors_files(self.path):
+            self._entries.update(_read_header(file))
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor ``name`` in its stored dtype (a fresh copy, owned by the caller)."""
@@ -77,13 +92,6 @@ class CheckpointTensors:
                 f.seek(entry.start + row * row_bytes)
                 f.readinto(memoryview(buffer)[i * row_bytes : (i + 1) * row_bytes])
         return _tensor(buffer, entry.dtype, (len(ids), *entry.shape[1:]))
-
-    def _entry(self, name: str) -> _Entry:
-        try:
-            return self._entries[name]
-        except KeyError:
-            raise ExportError(f"{self.path} has no tensor {name}; is it a checkpoint of the "
-                              "architecture its config.json names?") from None
 
 
 class ModelTensors:

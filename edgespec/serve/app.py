@@ -35,7 +35,8 @@ from starlette.routing import Route
 
 from edgespec.config import NO_DRAFTER, resolve_sampling
 from edgespec.errors import EdgespecError
-from edgespec.runtime.pipeline import Pipeline, check_ids
+from edgespec.runtime.inputs import check_ids
+from edgespec.runtime.pipeline import Pipeline
 from edgespec.serve import middleware, prompts
 from edgespec.serve.chat import ChatTemplate
 from edgespec.serve.config import ServeConfig

@@ -11,7 +11,8 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 from edgespec.errors import EdgespecError
-from edgespec.runtime.pipeline import Pipeline, check_ids, check_text
+from edgespec.runtime.inputs import check_ids, check_text
+from edgespec.runtime.pipeline import Pipeline
 from edgespec.serve.chat import ChatTemplateError
 from edgespec.serve.errors import ApiError, shutting_down
 from edgespec.serve.text_process import TokenizerError, TooManyTokens

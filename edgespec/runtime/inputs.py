@@ -1,0 +1,71 @@
+"""What a package's tokenizer and a prompt must be before anything runs: checks that refuse
+in one line, shared by the Pipeline and the server (serve/prompts.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from edgespec.config import is_int
+from edgespec.errors import GenerationError, ManifestError, one_line
+from edgespec.manifest import Manifest
+from edgespec.runtime.package_checks import check_tokenizer
+
+
+def load_tokenizer(folder: Path, manifest: Manifest) -> Tokenizer:
+    """The package's tokenizer, refused unless it fits the manifest: no more tokens than the
+    shared vocabulary (a token past it has no logit), and every special id one of its tokens."""
+    path = folder / manifest.tokenizer
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:
+        if type(e) is not Exception:  # tokenizers raises plain Exceptions for unreadable files
+            raise
+        raise ManifestError(f"cannot read {path} ({one_line(e, limit=None)}); "
+                            "re-export the pair") from None
+    size = tokenizer.get_vocab_size()
+    if size > manifest.vocab_size:
+        raise ManifestError(
+            f"{path} has {size} tokens but the models share only {manifest.vocab_size} rows of "
+            "logits; re-export the pair"
+        )
+    specials = {"eos_token_ids": manifest.eos_token_ids, "bos_token_id": [manifest.bos_token_id],
+                "pad_token_id": [manifest.pad_token_id]}
+    for name, ids in specials.items():
+        for i in ids:
+            if i is not None and tokenizer.id_to_token(i) is None:
+                raise ManifestError(f"{name} {i} is not a token of {path}; re-export the pair")
+    check_tokenizer(path, tokenizer, manifest.tokenizer_fingerprint)
+    return tokenizer
+
+
+def check_text(prompt: str) -> None:
+    """Refuse a prompt that is not a str, or holds lone surrogates: what Python makes of bytes
+    that are not UTF-8 (a shell argument ``$'\\xff'``), which no tokenizer can encode."""
+    if not isinstance(prompt, str):
+        raise GenerationError(
+            f"the prompt must be a str, got {type(prompt).__name__}; decode bytes to text first"
+        )
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GenerationError(
+            f"the prompt is not valid UTF-8: character {e.start} is {prompt[e.start]!r}, from "
+            "bytes that are not UTF-8 or half a surrogate pair; pass UTF-8 text"
+        ) from None
+
+
+def check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """A prompt given as token ids: at least one, each an integer id below ``vocab_size``."""
+    ids = list(ids)
+    if not ids:
+        raise GenerationError("the prompt is empty; give at least one token id")
+    for i in ids:
+        if not (is_int(i) and 0 <= i < vocab_size):
+            raise GenerationError(
+                f"the prompt must be a str or a list of token ids (integers in "
+                f"0..{vocab_size - 1}), got {i!r} in the list"
+            )
+    return [int(i) for i in ids]
