@@ -152,6 +152,8 @@ class Cluster:
         self.close()
 
     def close(self) -> None:
+        if not ray.is_initialized():  # closed already
+            return
         try:
             if self.started:
                 serve.shutdown()
