@@ -6,6 +6,7 @@ no process behind."""
 from __future__ import annotations
 
 import os
+import threading
 import signal
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the ray extra is not installed "
                                         "(pip install 'edgespec[ray]')")
 import httpx  # noqa: E402
-from openai import APIError, OpenAI  # noqa: E402
+from openai import InternalServerError, OpenAI  # noqa: E402
 from serve_helpers import Served, wait_until  # noqa: E402
 
 import edgespec  # noqa: E402
@@ -60,6 +61,18 @@ def _alive(pids: set[int]) -> set[int]:
         if state != "Z":  # a zombie has ended; its parent has yet to reap it
             alive.add(pid)
     return alive
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _busy(pids: set[int]) -> int | None:
+    """The one of ``pids`` that used 0.1 s of CPU or more over the next 0.3 s, if any."""
+    before = {pid: _cpu_s(pid) for pid in pids}
+    threading.Event().wait(0.3)
+    return next((pid for pid in pids if _cpu_s(pid) - before[pid] >= 0.1), None)
 
 
 def test_the_cli_on_ray_answers_and_sigterm_leaves_nothing_running():
@@ -120,14 +133,19 @@ def test_greedy_answers_equal_the_single_process_pipelines(cluster, settings, li
     assert out.usage.completion_tokens == expected.stats.new_tokens
 
 
-def test_requests_spread_over_both_replicas(cluster):
-    client = _client(cluster)
+def _answered_by(client: OpenAI) -> set[str] | None:
+    """The replicas that answered 8 requests from 4 clients at once, if both did (a replica
+    killed by another test may still be starting again), and each the same text."""
     with ThreadPoolExecutor(4) as pool:
-        answered = list(pool.map(lambda _: _complete(client, max_tokens=16, temperature=0),
-                                 range(12)))
+        answered = list(pool.map(lambda _: _complete(client, max_tokens=8, temperature=0),
+                                 range(8)))
+    assert len({out.choices[0].text for out, _ in answered}) == 1
     replicas = {replica for _, replica in answered}
-    assert len(replicas) == 2, f"every request went to {replicas}"
-    assert len({out.choices[0].text for out, _ in answered}) == 1  # same answer from each
+    return replicas if len(replicas) == 2 else None
+
+
+def test_requests_spread_over_both_replicas(cluster):
+    wait_until(lambda: _answered_by(_client(cluster)), "both replicas answered", seconds=60)
 
 
 def test_the_app_guards_still_answer_behind_rays_proxy(cluster):
@@ -160,5 +178,33 @@ def test_a_replica_killed_mid_request_fails_that_request_only(cluster):
             failures.append(rest)
     assert len(failures) == 1
     # the next requests are served, by the other replica then by the one Ray restarts
+    answers = [_complete(client, max_tokens=8, temperature=0) for _ in range(6)]
+    assert all(out.choices[0].text for out, _ in answers)
+
+
+def test_a_replica_killed_before_it_answers_gives_one_openai_error(cluster):
+    """A plain (not streamed) request whose replica dies: Ray's proxy answers, and
+    proxy_middlewares makes that answer OpenAI's 500."""
+    client = _client(cluster)
+    failed = []
+
+    def long_request() -> None:
+        try:
+            client.completions.create(model="demo", prompt=PROMPT, max_tokens=500,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        except InternalServerError as e:
+            failed.append(e)
+
+    pids = {int(replica.split()[1]) for replica in wait_until(
+        lambda: _answered_by(client), "both replicas answered", seconds=60)}
+    request = threading.Thread(target=long_request)
+    request.start()
+    # the replica generating it is the one using CPU (the router sends any other request,
+    # /health included, to the idle one)
+    os.kill(wait_until(lambda: _busy(pids), "a replica was generating", seconds=30),
+            signal.SIGKILL)
+    request.join(60)
+    assert not request.is_alive() and len(failed) == 1, "the request did not fail once"
+    assert failed[0].status_code == 500 and failed[0].code == "replica_failed"
     answers = [_complete(client, max_tokens=8, temperature=0) for _ in range(6)]
     assert all(out.choices[0].text for out, _ in answers)

@@ -18,8 +18,13 @@ that stops reading, the refusal of a request framed twice, the probe of half-clo
 and its JSON 503 past --limit-concurrency. In their place the proxy's uvicorn keeps idle
 connections ``keep_alive_s``, and a replica takes ``1 + queue`` requests at once
 (``max_ongoing_requests``, so the app's own 429 still answers a full queue) while the proxy
-holds up to ``limit_concurrency`` more waiting for a replica, then answers 503 itself (plain
-text, Ray's). A replica that dies mid-request is answered by the proxy too (a 500, plain text).
+holds up to ``limit_concurrency`` more waiting for a replica, then answers 503 itself.
+
+What the proxy answers itself (that 503, a request whose replica died before answering) is
+put in OpenAI's error shape by ``proxy_middlewares``, which Ray's proxy takes from the
+environment variable PROXY_CALLBACK names: set here before a local Ray starts, and to be
+exported before ``ray start`` on a cluster. A replica that dies while it streams an answer cuts
+the stream (no ``[DONE]``): the status was sent already.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from edgespec.serve.config import ServeConfig
 
 APP_NAME = "edgespec"
 REPLICA_HEADER = "x-edgespec-replica"
+PROXY_CALLBACK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"  # read by Ray's proxy at start
 QUIET = {"log_level": "WARNING", "enable_access_log": False}  # Serve's logs, as uvicorn's are
 
 
@@ -91,6 +97,49 @@ class ReplicaHeader:
         await self.app(scope, receive, send_with_replica)
 
 
+def proxy_middlewares() -> list:
+    """The middleware Ray's proxy runs (outermost last): what it answers itself, as OpenAI's
+    errors."""
+    from starlette.middleware import Middleware
+
+    from edgespec.serve.middleware import OpenAIErrors
+
+    return [Middleware(Unanswered), Middleware(OpenAIErrors)]
+
+
+class Unanswered:
+    """In Ray's proxy: a request that got no answer from its replica (it died, or could not
+    be reached) gets OpenAI's 500 rather than uvicorn's plain-text one."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception:
+            if started:
+                raise
+        if not started:
+            from starlette.responses import JSONResponse
+
+            from edgespec.serve.middleware import error_body
+
+            await JSONResponse(error_body(
+                "the replica serving this request failed before it answered (Ray starts "
+                "another); retry", "server_error", code="replica_failed"),
+                status_code=500)(scope, receive, send)
+
+
 def _session_configs(package: Path, threads: int, provider: str, draft_provider: str | None):
     """The library's (target, draft) settings for ``package`` with no more than ``threads``
     threads each: the library gives every core of the machine, which replicas share."""
@@ -128,6 +177,8 @@ class Cluster:
 
     def __enter__(self) -> Cluster:
         self.started = self.options.address is None and not ray.is_initialized()
+        if self.started:  # the proxy about to start inherits it
+            os.environ.setdefault(PROXY_CALLBACK, f"{__name__}.proxy_middlewares")
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         ray.init(address=self.options.address, num_cpus=self.num_cpus if self.started else None,
                  include_dashboard=False, logging_level=logging.WARNING,
