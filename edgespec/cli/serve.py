@@ -126,8 +126,10 @@ def _serve_on_ray(package: Path, host: str, port: int, config: ServeConfig, prov
                                    "is missing): pip install \"edgespec[ray]\"") from None
     from edgespec.serve.server import bind, url
 
-    with bind(host, port) as sock:  # a port in use is reported at once, not by Ray's proxy
-        port = sock.getsockname()[1]  # later; 0: a free port, chosen here
+    if address is None:  # a local Ray: a port in use is reported at once, not by Ray's
+        with bind(host, port) as sock:  # proxy later; 0: a free port, chosen here
+            port = sock.getsockname()[1]
+    # on a cluster, Serve's proxies may hold the port already (then they keep their own)
     options = ray_deploy.RayOptions(replicas, address, replica_cpus)
     with ray_deploy.Cluster(options, host, port, config) as cluster:
         click.echo(f"deploying {replicas} replica(s) of {package} on Ray "
