@@ -157,6 +157,8 @@ def test_the_app_guards_still_answer_behind_rays_proxy(cluster):
                           headers={"content-type": "application/x-www-form-urlencoded"})
     assert not_json.status_code == 415 and "error" in not_json.json()
     assert "edgespec_" in httpx.get(f"{cluster.url}/metrics").text
+    given = httpx.get(f"{cluster.url}/v1/models", headers={"x-request-id": "abc-1"})
+    assert given.headers.get_list("x-request-id") == ["abc-1"]  # once, the client's
 
 
 def test_a_replica_killed_mid_request_fails_that_request_only(cluster):

@@ -4,7 +4,8 @@ Each replica is a Ray actor that loads the package once (``edgespec.load``, its 
 threads capped at the replica's ``num_cpus``) and serves ``build_app``'s Starlette app, routes,
 schemas, queue, guards, API key and /metrics unchanged, behind Ray's HTTP proxy on the given
 host and port. The proxy picks a replica per request; each answer says which one served it in
-the ``X-Edgespec-Replica`` header (the replica's id and pid).
+the ``X-Edgespec-Replica`` header (the replica's id and pid). /health and /metrics therefore
+count one replica's requests, whichever answered (the router prefers an idle one).
 
 The package is not shipped with the deployment: every node loads it from the same path, so it
 must be readable there (a shared filesystem, or the same folder copied to each node), and
@@ -79,7 +80,9 @@ class Edgespec:
 
 
 class ReplicaHeader:
-    """Say on every answer which replica served it."""
+    """Say on every answer which replica served it, and leave X-Request-Id to Ray's proxy,
+    which adds it to every answer (the client's id, or the one it gave the request, which
+    the app echoes): once, not twice."""
 
     def __init__(self, app, value: str):
         self.app, self.value = app, value.encode()
@@ -90,7 +93,8 @@ class ReplicaHeader:
 
         async def send_with_replica(message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []),
+                message["headers"] = [*(h for h in message.get("headers", [])
+                                        if h[0].lower() != b"x-request-id"),
                                       (REPLICA_HEADER.encode(), self.value)]
             await send(message)
 
