@@ -55,16 +55,28 @@ _SERVE = ServeConfig()  # the server's defaults (edgespec/serve/config.py, no he
 @click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDERS))
 @click.option("--draft-provider", type=click.Choice(PROVIDERS),
               help="Where the draft runs, if not where the target does.")
+@click.option("--replicas", type=click.IntRange(1),
+              help="Run the server on Ray Serve with this many replicas, each loading PACKAGE "
+                   "once, behind Ray's HTTP proxy on --host/--port (needs edgespec[ray]). "
+                   "Without it or --ray-address: one process.")
+@click.option("--ray-address", metavar="ADDR",
+              help="Deploy on the Ray cluster at ADDR ('auto': the one `ray start` made "
+                   "here); PACKAGE's path must be readable on every node. Without it, "
+                   "--replicas starts a local Ray and stops it on exit.")
+@click.option("--replica-cpus", default=1.0, show_default=True,
+              type=click.FloatRange(0, min_open=True),
+              help="CPUs Ray reserves for each replica; its sessions use as many threads.")
 @user_errors
 def serve(package: Path | None, host: str, port: int, model_name: str | None,
           api_key: str | None, allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...],
           queue: int, max_tokens: int, request_timeout: float, max_body: int,
           read_timeout: float, keep_alive: float, limit_concurrency: int, provider: str,
-          draft_provider: str | None) -> None:
+          draft_provider: str | None, replicas: int | None, ray_address: str | None,
+          replica_cpus: float) -> None:
     """Serve PACKAGE (default: the demo pair) over an OpenAI-compatible HTTP API
     (needs edgespec[serve])."""
     serving = needs_serve_extra()
-    from edgespec.serve.config import hosts_for, is_loopback
+    from edgespec.serve.config import hosts_for
 
     config = ServeConfig(
         model=model_name, queue=queue, max_body=max_body, max_tokens=max_tokens,
@@ -73,6 +85,10 @@ def serve(package: Path | None, host: str, port: int, model_name: str | None,
         allowed_hosts=hosts_for(host, _listed(allowed_hosts)),
         allowed_origins=_listed(allowed_origins),
         api_key=None if api_key is None else api_key.strip())
+    if replicas is not None or ray_address is not None:
+        _warn_if_open(host, api_key)
+        return _serve_on_ray(resolve_package(package), host, port, config, provider,
+                             draft_provider, replicas or 1, ray_address, replica_cpus)
     sock = serving.server.bind(host, port)  # first: a port in use is reported at once
     try:
         pipe = runtime().load(resolve_package(package), provider=provider,
@@ -81,9 +97,7 @@ def serve(package: Path | None, host: str, port: int, model_name: str | None,
     except BaseException:
         sock.close()
         raise
-    if api_key is None and not is_loopback(host):
-        click.echo(f"warning: listening on {host} without --api-key: anyone who can reach "
-                   "this machine can use the model", err=True)
+    _warn_if_open(host, api_key)
 
     def listening() -> None:  # the socket accepts connections: now the address is true
         address = serving.server.url(host, sock.getsockname()[1])
@@ -91,6 +105,40 @@ def serve(package: Path | None, host: str, port: int, model_name: str | None,
                    f"time, {queue} waiting at most); Ctrl-C stops", err=True)
 
     serving.server.run(app, sock, config, listening)
+
+
+def _warn_if_open(host: str, api_key: str | None) -> None:
+    from edgespec.serve.config import is_loopback
+
+    if api_key is None and not is_loopback(host):
+        click.echo(f"warning: listening on {host} without --api-key: anyone who can reach "
+                   "this machine can use the model", err=True)
+
+
+def _serve_on_ray(package: Path, host: str, port: int, config: ServeConfig, provider: str,
+                  draft_provider: str | None, replicas: int, address: str | None,
+                  replica_cpus: float) -> None:
+    """The same app as Ray Serve replicas (serve/ray_deploy.py) until Ctrl-C or SIGTERM."""
+    try:
+        from edgespec.serve import ray_deploy
+    except ImportError as e:
+        raise click.ClickException(f"--replicas and --ray-address need the ray extra ({e.name} "
+                                   "is missing): pip install \"edgespec[ray]\"") from None
+    from edgespec.serve.server import bind, url
+
+    if address is None:  # a local Ray: a port in use is reported at once, not by Ray's
+        with bind(host, port) as sock:  # proxy later; 0: a free port, chosen here
+            port = sock.getsockname()[1]
+    # on a cluster, Serve's proxies may hold the port already (then they keep their own)
+    options = ray_deploy.RayOptions(replicas, address, replica_cpus)
+    with ray_deploy.Cluster(options, host, port, config) as cluster:
+        click.echo(f"deploying {replicas} replica(s) of {package} on Ray "
+                   f"({address or 'a local instance'})", err=True)
+        cluster.run(ray_deploy.application(package, config, options, provider, draft_provider))
+        click.echo(f"serving {config.model or package.resolve().name} at {url(host, port)}/v1 "
+                   f"({replicas} replica(s) on Ray Serve, {config.queue} waiting at most in "
+                   "each); Ctrl-C stops", err=True)
+        ray_deploy.wait_forever()
 
 
 def _listed(values: tuple[str, ...]) -> tuple[str, ...]:

@@ -1,0 +1,226 @@
+"""``edgespec serve --replicas N [--ray-address ADDR]``: the same app on Ray Serve.
+
+Each replica is a Ray actor that loads the package once (``edgespec.load``, its sessions'
+threads capped at the replica's ``num_cpus``) and serves ``build_app``'s Starlette app, routes,
+schemas, queue, guards, API key and /metrics unchanged, behind Ray's HTTP proxy on the given
+host and port. The proxy picks a replica per request; each answer says which one served it in
+the ``X-Edgespec-Replica`` header (the replica's id and pid). /health and /metrics therefore
+count one replica's requests, whichever answered (the router prefers an idle one).
+
+The package is not shipped with the deployment: every node loads it from the same path, so it
+must be readable there (a shared filesystem, or the same folder copied to each node), and
+edgespec installed in each node's Python.
+
+What guards where. Ray's proxy, not server.py's protocol, reads the HTTP; the checks inside
+the app still run in each replica (Host, CORS, API key, JSON only, body size and time, head
+size, the queue's 429, the generation's time limit, OpenAI's error shape). server.py's own
+protocol guards do not: the deadline on a request's headers, the disconnection of a client
+that stops reading, the refusal of a request framed twice, the probe of half-closed clients,
+and its JSON 503 past --limit-concurrency. In their place the proxy's uvicorn keeps idle
+connections ``keep_alive_s``, and a replica takes ``1 + queue`` requests at once
+(``max_ongoing_requests``, so the app's own 429 still answers a full queue) while the proxy
+holds up to ``limit_concurrency`` more waiting for a replica, then answers 503 itself.
+
+What the proxy answers itself (that 503, a request whose replica died before answering) is
+put in OpenAI's error shape by ``proxy_middlewares``, which Ray's proxy takes from the
+environment variable PROXY_CALLBACK names: set here before a local Ray starts, and to be
+exported before ``ray start`` on a cluster. A replica that dies while it streams an answer cuts
+the stream (no ``[DONE]``): the status was sent already.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import ray
+from ray import serve
+
+from edgespec.serve.config import ServeConfig
+
+APP_NAME = "edgespec"
+REPLICA_HEADER = "x-edgespec-replica"
+PROXY_CALLBACK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"  # read by Ray's proxy at start
+QUIET = {"log_level": "WARNING", "enable_access_log": False}  # Serve's logs, as uvicorn's are
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """Where and how wide: ``replicas`` copies of the app, each on ``replica_cpus`` CPUs, on the
+    Ray cluster at ``address`` (None: a local one that edgespec starts and stops)."""
+
+    replicas: int = 1
+    address: str | None = None
+    replica_cpus: float = 1.0
+
+
+@serve.ingress()
+class Edgespec:
+    """One replica: one loaded Pipeline and the app over it."""
+
+    def __init__(self, package: str, config: ServeConfig, threads: int, provider: str,
+                 draft_provider: str | None):
+        import edgespec.runtime
+
+        target, draft = _session_configs(Path(package), threads, provider, draft_provider)
+        self.pipe = edgespec.runtime.load(package, target=target, draft=draft)
+        self.config = config
+
+    def __serve_build_asgi_app__(self):
+        from edgespec.serve.app import build_app
+
+        app = build_app(self.pipe, self.config)
+        context = serve.get_replica_context()
+        app.add_middleware(ReplicaHeader, value=f"{context.replica_id.unique_id} {os.getpid()}")
+        return app
+
+
+class ReplicaHeader:
+    """Say on every answer which replica served it, and leave X-Request-Id to Ray's proxy,
+    which adds it to every answer (the client's id, or the one it gave the request, which
+    the app echoes): once, not twice."""
+
+    def __init__(self, app, value: str):
+        self.app, self.value = app, value.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_replica(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*(h for h in message.get("headers", [])
+                                        if h[0].lower() != b"x-request-id"),
+                                      (REPLICA_HEADER.encode(), self.value)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_replica)
+
+
+def proxy_middlewares() -> list:
+    """The middleware Ray's proxy runs (outermost last): what it answers itself, as OpenAI's
+    errors."""
+    from starlette.middleware import Middleware
+
+    from edgespec.serve.middleware import OpenAIErrors
+
+    return [Middleware(Unanswered), Middleware(OpenAIErrors)]
+
+
+class Unanswered:
+    """In Ray's proxy: a request that got no answer from its replica (it died, or could not
+    be reached) gets OpenAI's 500 rather than uvicorn's plain-text one."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception:
+            if started:
+                raise
+        if not started:
+            from starlette.responses import JSONResponse
+
+            from edgespec.serve.middleware import error_body
+
+            await JSONResponse(error_body(
+                "the replica serving this request failed before it answered (Ray starts "
+                "another); retry", "server_error", code="replica_failed"),
+                status_code=500)(scope, receive, send)
+
+
+def _session_configs(package: Path, threads: int, provider: str, draft_provider: str | None):
+    """The library's (target, draft) settings for ``package`` with no more than ``threads``
+    threads each: the library gives every core of the machine, which replicas share."""
+    from edgespec.manifest import Manifest
+    from edgespec.runtime.providers import default_session_configs
+
+    manifest = Manifest.read(package)
+    configs = default_session_configs(provider, draft_provider,
+                                      manifest.draft.parameters if manifest.draft else 0)
+    return tuple(replace(c, threads=min(c.threads, threads)) for c in configs)
+
+
+def application(package: Path, config: ServeConfig, options: RayOptions, provider: str = "auto",
+                draft_provider: str | None = None):
+    """The bound Ray Serve application of ``options.replicas`` replicas serving ``package``."""
+    deployment = serve.deployment(
+        Edgespec, name=APP_NAME, num_replicas=options.replicas,
+        ray_actor_options={"num_cpus": options.replica_cpus},
+        max_ongoing_requests=1 + config.queue, max_queued_requests=config.limit_concurrency,
+        logging_config=QUIET)
+    threads = max(1, int(options.replica_cpus))
+    return deployment.bind(str(Path(package).resolve()), config, threads, provider,
+                           draft_provider)
+
+
+class Cluster:
+    """Ray and Serve for one ``edgespec serve``: connected (or started locally) on enter; on
+    exit the application deleted, and Serve and Ray shut down when edgespec started them."""
+
+    def __init__(self, options: RayOptions, host: str, port: int, config: ServeConfig,
+                 num_cpus: int | None = None):
+        self.options, self.host, self.port, self.config = options, host, port, config
+        self.num_cpus = num_cpus  # a local cluster's CPUs (None: the machine's)
+        self.started = False  # whether edgespec started Ray (and so stops it)
+
+    def __enter__(self) -> Cluster:
+        self.started = self.options.address is None and not ray.is_initialized()
+        if self.started:  # the proxy about to start inherits it
+            os.environ.setdefault(PROXY_CALLBACK, f"{__name__}.proxy_middlewares")
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        ray.init(address=self.options.address, num_cpus=self.num_cpus if self.started else None,
+                 include_dashboard=False, logging_level=logging.WARNING,
+                 ignore_reinit_error=True)
+        for sig, handler in handlers.items():  # Ray's core installs its own, which dumps a
+            if handler is not None:  # stack and dies: the caller's cleanup would not run
+                signal.signal(sig, handler)
+        try:
+            serve.start(http_options={"host": self.host, "port": self.port,
+                                      "keep_alive_timeout_s": int(self.config.keep_alive_s)},
+                        logging_config=QUIET)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def run(self, app) -> None:
+        """Deploy ``app`` and return once every replica answers."""
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not ray.is_initialized():  # closed already
+            return
+        try:
+            if self.started:
+                serve.shutdown()
+            else:  # someone else's cluster: take away only this application
+                serve.delete(APP_NAME)
+        finally:
+            if self.started:
+                ray.shutdown()
+
+
+def wait_forever() -> None:
+    """Block the main thread until a signal (Ctrl-C, SIGTERM) raises in it."""
+    forever = threading.Event()
+    while not forever.wait(3600):
+        pass
