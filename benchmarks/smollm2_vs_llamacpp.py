@@ -77,7 +77,9 @@ def gguf_add_bos(gguf_path: str) -> tuple[bool, int]:
     return bool(add_bos), int(value("tokenizer.ggml.bos_token_id"))
 
 
-def load_pipeline(pkg: str, threads: int, spin: bool = False):
+def load_pipeline(pkg: str, threads: int, spin: bool = True):
+    """The package on the CPU as edgespec.load sets a target up (every core given, spinning
+    workers: runtime/providers.py), with the thread count given."""
     import edgespec
     from edgespec.runtime.providers import SessionConfig
 
@@ -208,9 +210,9 @@ def edgespec_steps(pipe, n: int) -> dict:
 
 def cmd_decode(args) -> dict:
     bin_dir = Path(args.llama)
-    pipes = {"default": load_pipeline(args.pkg, args.threads, spin=False)}
-    if args.spin:
-        pipes["spin"] = load_pipeline(args.pkg, args.threads, spin=True)
+    pipes = {"spin": load_pipeline(args.pkg, args.threads, spin=True)}  # load()'s default
+    if args.no_spin:
+        pipes["nospin"] = load_pipeline(args.pkg, args.threads, spin=False)
     for pipe in pipes.values():  # warm-up
         edgespec_generate(pipe, args.prompt, 16)
     turns = []
@@ -240,7 +242,7 @@ def cmd_decode(args) -> dict:
 def llama_lookup(bin_dir: Path, gguf_path: str, prompt_text: str, n: int, threads: int,
                  draft: int) -> dict:
     cmd = [str(bin_dir / "llama-lookup"), "-m", gguf_path, "-p", prompt_text, "-n", str(n),
-           "-t", str(threads), "--draft-max", str(draft), "--temp", "0", "--top-k", "1",
+           "-t", str(threads), "--spec-draft-n-max", str(draft), "--temp", "0", "--top-k", "1",
            "-c", "2048", "--seed", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True)
     log = out.stdout + out.stderr
@@ -314,7 +316,8 @@ def main() -> None:
             p.add_argument("--prompt", default="The town of Alder Ford grew up where")
             p.add_argument("-n", type=int, default=128)
             p.add_argument("--repeats", type=int, default=5)
-            p.add_argument("--spin", action="store_true", help="also time spin=True sessions")
+            p.add_argument("--no-spin", action="store_true",
+                           help="also time a session whose workers do not spin")
         else:
             p.add_argument("--prompts", default="edgespec/bench_prompts.jsonl")
             p.add_argument("-n", type=int, default=128)
