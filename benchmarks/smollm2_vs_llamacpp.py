@@ -1,0 +1,338 @@
+"""SmolLM2-135M-Instruct: the same Q4_1 GGUF in edgespec (repacked, target-only package) and in
+llama.cpp, side by side (issue 28, item 5).
+
+Three measurements, each a subcommand that writes one JSON file:
+
+    perplexity  the package's perplexity over one fixed text, by llama-perplexity's own rule
+                (non-overlapping chunks of c tokens from the text tokenized once; a BOS put at
+                each chunk's start only where the GGUF says add_bos; the second half of each
+                chunk scored: positions c/2 .. c-2 predicting the next token; one running mean
+                of the negative log-likelihood over all chunks), and llama-perplexity's number
+                on the same file and text; the token ids of both sides compared (llama-tokenize).
+    decode      plain greedy decoding speed: llama-bench (-p 0 -n N -t T, one repetition per
+                turn) and edgespec target-only (drafter="none", ignore_eos, N new tokens after
+                a short prompt; and the bare target step: one-token forward passes at the same
+                positions), taken in turns, medians of the repeats.
+    lookup      llama-lookup against edgespec's n-gram drafting, greedy, on the package's task
+                prompts (edgespec/bench_prompts.jsonl) rendered with the chat template.
+
+Run from the repository root with the package built by ``edgespec export --target FILE.gguf``:
+
+    python benchmarks/smollm2_vs_llamacpp.py perplexity --pkg PKG --gguf FILE --llama BIN \
+        --text benchmarks/prompts/perplexity_text.txt --json OUT.json
+    python benchmarks/smollm2_vs_llamacpp.py decode --pkg PKG --gguf FILE --llama BIN --json OUT.json
+    python benchmarks/smollm2_vs_llamacpp.py lookup --pkg PKG --gguf FILE --llama BIN --json OUT.json
+
+BIN is llama.cpp's build/bin. Every record holds the load average at its start (the machine is
+shared; ratios taken in one run, in turns, are what count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def machine_line() -> str:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+
+
+def gguf_add_bos(gguf_path: str) -> tuple[bool, int]:
+    """The GGUF's tokenizer.ggml.add_bos_token (llama.cpp's default when absent: True for
+    SPM vocabularies, False for GPT-2 BPE ones; the key is present in the SmolLM2 file) and its
+    BOS id."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+
+    def value(key):
+        field = reader.fields.get(key)
+        return None if field is None else field.parts[field.data[0]][0]
+
+    add_bos = value("tokenizer.ggml.add_bos_token")
+    if add_bos is None:
+        model = bytes(reader.fields["tokenizer.ggml.model"].parts[-1]).decode()
+        add_bos = model == "llama"
+    return bool(add_bos), int(value("tokenizer.ggml.bos_token_id"))
+
+
+def load_pipeline(pkg: str, threads: int, spin: bool = True):
+    """The package on the CPU as edgespec.load sets a target up (every core given, spinning
+    workers: runtime/providers.py), with the thread count given."""
+    import edgespec
+    from edgespec.runtime.providers import SessionConfig
+
+    return edgespec.load(pkg, provider="cpu",
+                         target=SessionConfig(provider="cpu", threads=threads, spin=spin),
+                         calibration_cache=False)
+
+
+# ----------------------------------------------------------------------------- perplexity
+
+
+def edgespec_perplexity(pipe, tokens: list[int], n_ctx: int, add_bos: bool, bos_id: int) -> dict:
+    """llama-perplexity's perplexity() rule on the package's target graph."""
+    n_chunk = len(tokens) // n_ctx
+    first = n_ctx // 2
+    nll, count, running = 0.0, 0, []
+    start_s = time.perf_counter()
+    for i in range(n_chunk):
+        chunk = np.asarray(tokens[i * n_ctx:(i + 1) * n_ctx], dtype=np.int64)
+        if add_bos:
+            chunk = chunk.copy()
+            chunk[0] = bos_id
+        cache = pipe.target.new_cache(n_ctx)
+        logits = pipe.target.forward(chunk, cache).astype(np.float64)  # [n_ctx, V]
+        rows = logits[first:n_ctx - 1]
+        rows = rows - rows.max(axis=1, keepdims=True)
+        logp = rows - np.log(np.exp(rows).sum(axis=1, keepdims=True))
+        targets = np.asarray(tokens[i * n_ctx + first + 1:(i + 1) * n_ctx])
+        nll += float(-logp[np.arange(len(targets)), targets].sum())
+        count += len(targets)
+        running.append(round(float(np.exp(nll / count)), 4))
+    return {"ppl": float(np.exp(nll / count)), "chunks": n_chunk, "scored_tokens": count,
+            "running": running, "seconds": round(time.perf_counter() - start_s, 2)}
+
+
+def llama_tokens(bin_dir: Path, gguf_path: str, text_path: str) -> list[int]:
+    """The ids llama.cpp gives the text (common_tokenize(ctx, text, add_special=true), as
+    llama-perplexity calls it: BOS only where the vocabulary adds one)."""
+    out = subprocess.run([str(bin_dir / "llama-tokenize"), "-m", gguf_path, "-f", text_path,
+                          "--ids", "--log-disable"], capture_output=True, text=True, check=True)
+    line = [l for l in out.stdout.splitlines() if l.startswith("[")][-1]
+    return json.loads(line)
+
+
+def llama_perplexity(bin_dir: Path, gguf_path: str, text_path: str, n_ctx: int,
+                     threads: int) -> dict:
+    cmd = [str(bin_dir / "llama-perplexity"), "-m", gguf_path, "-f", text_path, "-c", str(n_ctx),
+           "-t", str(threads)]
+    start_s = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    log = out.stdout + out.stderr
+    if out.returncode != 0:
+        raise SystemExit(f"llama-perplexity failed ({out.returncode}):\n{log[-3000:]}")
+    final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", log)
+    running = [float(x) for x in re.findall(r"\[\d+\]([0-9.]+)", log)]
+    chunks = re.search(r"calculating perplexity over (\d+) chunks", log)
+    return {"ppl": float(final.group(1)), "ppl_stderr": float(final.group(2)),
+            "chunks": int(chunks.group(1)) if chunks else None, "running": running,
+            "command": " ".join(cmd), "seconds": round(time.perf_counter() - start_s, 2)}
+
+
+def cmd_perplexity(args) -> dict:
+    text = Path(args.text).read_text()
+    pipe = load_pipeline(args.pkg, args.threads)
+    add_bos, bos_id = gguf_add_bos(args.gguf)
+    # the package's tokenizer.json; the BOS rule is the GGUF's (llama-perplexity's), not the
+    # manifest's with_bos: both sides must score the same ids
+    ids = pipe.tokenizer.encode(text, add_special_tokens=False).ids
+    if add_bos:
+        ids = [bos_id, *ids]
+    record = {"text": args.text, "n_ctx": args.ctx, "threads": args.threads,
+              "gguf_add_bos": add_bos, "tokens_edgespec": len(ids)}
+    bin_dir = Path(args.llama)
+    if (bin_dir / "llama-tokenize").exists():
+        ref = llama_tokens(bin_dir, args.gguf, args.text)
+        record["tokens_llamacpp"] = len(ref)
+        record["token_ids_identical"] = ref == ids
+        if ref != ids:
+            first_diff = next((i for i, (a, b) in enumerate(zip(ref, ids)) if a != b),
+                              min(len(ref), len(ids)))
+            record["first_difference_at"] = first_diff
+    record["load_average_start"] = load_average()
+    record["edgespec"] = edgespec_perplexity(pipe, ids, args.ctx, add_bos, bos_id)
+    record["load_average_llamacpp"] = load_average()
+    record["llamacpp"] = llama_perplexity(bin_dir, args.gguf, args.text, args.ctx, args.threads)
+    e, l = record["edgespec"]["ppl"], record["llamacpp"]["ppl"]
+    record["relative_difference"] = (e - l) / l
+    print(f"perplexity c={args.ctx}: edgespec {e:.4f}  llama.cpp {l:.4f}  "
+          f"({100 * (e - l) / l:+.3f}%), {record['edgespec']['scored_tokens']} tokens scored")
+    return record
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def llama_bench_tg(bin_dir: Path, gguf_path: str, n: int, threads: int) -> dict:
+    cmd = [str(bin_dir / "llama-bench"), "-m", gguf_path, "-p", "0", "-n", str(n),
+           "-t", str(threads), "-r", "1", "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout)
+    row = [r for r in rows if r.get("n_gen") == n][0]
+    return {"tokens_per_s": row["avg_ts"], "build_commit": row.get("build_commit"),
+            "build_number": row.get("build_number"), "command": " ".join(cmd)}
+
+
+def edgespec_generate(pipe, prompt: str, n: int) -> dict:
+    result = pipe.generate(prompt, max_new_tokens=n, drafter="none", ignore_eos=True,
+                           temperature=0.0, token_healing=False)
+    s = result.stats
+    return {"tokens_per_s": s.new_tokens / s.decode_s if s.decode_s else None,
+            "tokens_per_s_stats": s.tokens_per_s, "new_tokens": s.new_tokens,
+            "decode_s": s.decode_s, "prefill_s": s.prefill_s, "target_s": s.target_s,
+            "target_calls": s.target_calls, "total_s": s.total_s}
+
+
+def edgespec_steps(pipe, n: int) -> dict:
+    """The bare target step, as llama-bench's tg times it: n one-token forward passes from
+    position 0 on (one token per pass), logits for it read back."""
+    cache = pipe.target.new_cache(n + 1)
+    token = np.asarray([1], dtype=np.int64)
+    start = time.perf_counter()
+    for _ in range(n):
+        logits = pipe.target.forward(token, cache)
+        token = np.asarray([int(logits[-1].argmax())], dtype=np.int64)
+    seconds = time.perf_counter() - start
+    return {"tokens_per_s": n / seconds, "ms_per_step": 1e3 * seconds / n}
+
+
+def cmd_decode(args) -> dict:
+    bin_dir = Path(args.llama)
+    pipes = {"spin": load_pipeline(args.pkg, args.threads, spin=True)}  # load()'s default
+    if args.no_spin:
+        pipes["nospin"] = load_pipeline(args.pkg, args.threads, spin=False)
+    for pipe in pipes.values():  # warm-up
+        edgespec_generate(pipe, args.prompt, 16)
+    turns = []
+    for r in range(args.repeats):
+        turn = {"load_average_start": load_average(),
+                "llamacpp_tg": llama_bench_tg(bin_dir, args.gguf, args.n, args.threads)}
+        for name, pipe in pipes.items():
+            turn[f"edgespec_{name}_generate"] = edgespec_generate(pipe, args.prompt, args.n)
+            turn[f"edgespec_{name}_steps"] = edgespec_steps(pipe, args.n)
+        turns.append(turn)
+        print(f"turn {r + 1}/{args.repeats} load {turn['load_average_start']}: " + ", ".join(
+            f"{k} {v['tokens_per_s']:.1f}" for k, v in turn.items() if isinstance(v, dict)))
+    keys = [k for k in turns[0] if k != "load_average_start"]
+    medians = {k: statistics.median(t[k]["tokens_per_s"] for t in turns) for k in keys}
+    ratios = {k: medians["llamacpp_tg"] / medians[k] for k in keys if k != "llamacpp_tg"}
+    print("medians tokens/s: " + ", ".join(f"{k} {v:.1f}" for k, v in medians.items()))
+    print("llama.cpp / edgespec: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    return {"prompt": args.prompt, "new_tokens": args.n, "threads": args.threads,
+            "repeats": args.repeats, "median_tokens_per_s": medians,
+            "llamacpp_over_edgespec": ratios, "turns": turns,
+            "goal": "edgespec step no slower than llama.cpp's x 1.1 (ratio >= 1/1.1 = 0.909)"}
+
+
+# ----------------------------------------------------------------------------- lookup
+
+
+def llama_lookup(bin_dir: Path, gguf_path: str, prompt_text: str, n: int, threads: int,
+                 draft: int) -> dict:
+    cmd = [str(bin_dir / "llama-lookup"), "-m", gguf_path, "-p", prompt_text, "-n", str(n),
+           "-t", str(threads), "--spec-draft-n-max", str(draft), "--temp", "0", "--top-k", "1",
+           "-c", "2048", "--seed", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    log = out.stdout + out.stderr
+    if out.returncode != 0:
+        raise SystemExit(f"llama-lookup failed ({out.returncode}):\n{log[-3000:]}")
+
+    def grab(pattern, cast=float):
+        m = re.search(pattern, log)
+        return cast(m.group(1)) if m else None
+
+    return {"tokens_per_s": grab(r"decoded\s+\d+ tokens in\s+[0-9.]+ seconds, speed:\s+([0-9.]+)"),
+            "decoded": grab(r"decoded\s+(\d+) tokens", int),
+            "n_drafted": grab(r"n_drafted\s+=\s+(\d+)", int),
+            "n_accept": grab(r"n_accept\s+=\s+(\d+)", int),
+            "accept_percent": grab(r"accept\s+=\s+([0-9.]+)%")}
+
+
+def cmd_lookup(args) -> dict:
+    bin_dir = Path(args.llama)
+    pipe = load_pipeline(args.pkg, args.threads)
+    prompts = [json.loads(l) for l in Path(args.prompts).read_text().splitlines() if l.strip()]
+    rows = []
+    for p in prompts[: args.limit]:
+        ids = pipe.encode_chat(p["messages"])
+        # llama-lookup tokenizes its -p text with special tokens parsed: the rendered template
+        text = pipe.tokenizer.decode(ids, skip_special_tokens=False)
+        row = {"kind": p.get("kind"), "prompt_tokens": len(ids), "load_average_start": load_average()}
+        configs = {"edgespec_none": dict(drafter="none"),
+                   "edgespec_ngram_fixed": dict(drafter="ngram", schedule="fixed"),
+                   "edgespec_ngram_adaptive": dict(drafter="ngram", schedule="adaptive")}
+        runs = {"llamacpp_lookup": [], **{k: [] for k in configs}}
+        for _ in range(args.repeats):
+            runs["llamacpp_lookup"].append(llama_lookup(bin_dir, args.gguf, text, args.n,
+                                                        args.threads, args.draft))
+            for name, settings in configs.items():
+                r = pipe.generate(ids, max_new_tokens=args.n, temperature=0.0,
+                                  draft_length=args.draft, token_healing=False, **settings)
+                s = r.stats
+                runs[name].append(
+                    {"tokens_per_s": s.tokens_per_s, "new_tokens": s.new_tokens,
+                     "drafted": s.drafted, "accepted": s.accepted,
+                     "acceptance": s.acceptance_rate if s.drafted else None,
+                     "token_ids": r.token_ids})
+        row["runs"] = runs
+        row["median_tokens_per_s"] = {k: statistics.median(x["tokens_per_s"] for x in v)
+                                      for k, v in runs.items()}
+        row["greedy_identical"] = all(runs[k][0]["token_ids"] == runs["edgespec_none"][0]["token_ids"]
+                                      for k in configs)
+        rows.append(row)
+        print(p.get("kind"), row["median_tokens_per_s"],
+              "lookup accept", runs["llamacpp_lookup"][0]["accept_percent"],
+              "ngram accept", runs["edgespec_ngram_fixed"][0]["acceptance"])
+    return {"new_tokens": args.n, "threads": args.threads, "draft_max": args.draft,
+            "repeats": args.repeats, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("perplexity", "decode", "lookup"):
+        p = sub.add_parser(name)
+        p.add_argument("--pkg", required=True)
+        p.add_argument("--gguf", required=True)
+        p.add_argument("--llama", required=True, help="llama.cpp's build/bin")
+        p.add_argument("--threads", type=int, default=2)
+        p.add_argument("--json", required=True)
+        if name == "perplexity":
+            p.add_argument("--text", default="benchmarks/prompts/perplexity_text.txt")
+            p.add_argument("--ctx", type=int, default=512)
+        elif name == "decode":
+            p.add_argument("--prompt", default="The town of Alder Ford grew up where")
+            p.add_argument("-n", type=int, default=128)
+            p.add_argument("--repeats", type=int, default=5)
+            p.add_argument("--no-spin", action="store_true",
+                           help="also time a session whose workers do not spin")
+        else:
+            p.add_argument("--prompts", default="edgespec/bench_prompts.jsonl")
+            p.add_argument("-n", type=int, default=128)
+            p.add_argument("--draft", type=int, default=4)
+            p.add_argument("--repeats", type=int, default=1)
+            p.add_argument("--limit", type=int, default=12)
+    args = parser.parse_args()
+    record = {"machine": machine_line(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "gguf": args.gguf, "package": args.pkg, "subcommand": args.command}
+    record.update({"perplexity": cmd_perplexity, "decode": cmd_decode,
+                   "lookup": cmd_lookup}[args.command](args))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    print("wrote", args.json)
+
+
+if __name__ == "__main__":
+    main()
