@@ -118,7 +118,7 @@ class AdaptiveSchedule:
         self,
         costs: StepCosts,
         prior_alpha: float = 0.6,
-        prior_weight: float = 4.0,
+        prior_weight: float = 2.0,
         decay: float = 0.9,
         probe_overhead: float = 0.05,
         sampled: bool = False,
