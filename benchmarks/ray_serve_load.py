@@ -13,38 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from serve_load import PROMPTS, one_request
-
-
-def start(extra: list[str]) -> tuple[subprocess.Popen, str]:
-    """`edgespec serve --port 0 EXTRA`, and its URL once it listens."""
-    process = subprocess.Popen([sys.executable, "-m", "edgespec", "serve", "--port", "0",
-                                "--queue", "16", *extra], stderr=subprocess.PIPE,
-                               stdout=subprocess.DEVNULL, text=True)
-    url, ready = None, threading.Event()
-
-    def read() -> None:
-        nonlocal url
-        for line in process.stderr:
-            found = re.search(r"^serving .* at (http://[^ ]+)/v1", line)
-            if found:
-                url = found.group(1)
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(180) or not url:
-        process.kill()
-        sys.exit(f"the server {extra} did not start")
-    return process, url
+from serve_load import PROMPTS, one_request, start_server
 
 
 def level(url: str, clients: int, requests: int, max_tokens: int) -> dict:
@@ -84,7 +57,7 @@ def main() -> None:
     print("| server | clients | requests/s | p50 | p95 | load |")
     print("|---|---|---|---|---|---|")
     for name, extra in (setups[key] for key in args.servers.split(",")):
-        process, url = start(extra)
+        process, url = start_server(None, 16, extra, deadline_s=180)
         try:
             for _ in range(2):  # warm-up: each replica's first request
                 one_request(httpx.Client(), url, "demo", PROMPTS[0], 8)

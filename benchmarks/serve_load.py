@@ -27,8 +27,11 @@ import httpx
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "def read_lines(path):"]
 
 
-def start_server(package: str | None, queue: int) -> tuple[subprocess.Popen, str]:
-    args = [sys.executable, "-m", "edgespec", "serve", "--port", "0", "--queue", str(queue)]
+def start_server(package: str | None, queue: int, extra: list[str] = (),
+                 deadline_s: float = 120) -> tuple[subprocess.Popen, str]:
+    """`edgespec serve [PACKAGE] --port 0 --queue QUEUE EXTRA`, and its URL once it listens."""
+    args = [sys.executable, "-m", "edgespec", "serve", "--port", "0", "--queue", str(queue),
+            *extra]
     process = subprocess.Popen(args + ([package] if package else []), stderr=subprocess.PIPE,
                                stdout=subprocess.DEVNULL, text=True)
     url, ready = None, threading.Event()
@@ -43,9 +46,9 @@ def start_server(package: str | None, queue: int) -> tuple[subprocess.Popen, str
         ready.set()
 
     threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(120) or not url:
+    if not ready.wait(deadline_s) or not url:
         process.kill()
-        sys.exit("the server did not start")
+        sys.exit(f"the server {' '.join(extra)} did not start")
     return process, url
 
 
