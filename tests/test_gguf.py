@@ -302,8 +302,8 @@ def test_greedy_output_with_ngram_drafting_is_target_only(packages, name):
     pipe = edgespec.load(packages[name])
     drafted = 0
     for prompt in ("def add(a, b):\n    return a + b\ndef add(a, b):\n", "a b a b a b a b"):
-        baseline = pipe.generate(prompt, max_new_tokens=24, use_draft=False).token_ids
-        result = pipe.generate(prompt, max_new_tokens=24, gamma=4, schedule="fixed",
+        baseline = pipe.generate(prompt, max_new_tokens=24, drafter="none").token_ids
+        result = pipe.generate(prompt, max_new_tokens=24, draft_length=4, schedule="fixed",
                                drafter="ngram")
         assert result.token_ids == baseline
         drafted += result.stats.drafted
@@ -325,8 +325,8 @@ def test_a_gguf_pair_quantized_draft_is_exact(files, tmp_path):
     assert check["max_abs_diff_no_cache"] <= check["tolerance"] and check["mean_tv"] < 1e-4
     pipe = edgespec.load(tmp_path / "pair")
     prompt = "for i in range(10):\n    print(i * i)\n"
-    baseline = pipe.generate(prompt, max_new_tokens=24, use_draft=False).token_ids
-    result = pipe.generate(prompt, max_new_tokens=24, gamma=3, schedule="fixed")
+    baseline = pipe.generate(prompt, max_new_tokens=24, drafter="none").token_ids
+    result = pipe.generate(prompt, max_new_tokens=24, draft_length=3, schedule="fixed")
     assert result.token_ids == baseline and result.stats.drafted > 0
 
 
@@ -407,7 +407,8 @@ def test_smollm2_exports_and_answers(tmp_path):
         messages=[{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True)
     prompt = pipe.tokenizer.encode(text, add_special_tokens=False).ids  # its BOS only once
-    baseline = pipe.generate(prompt, max_new_tokens=32, use_draft=False)
+    baseline = pipe.generate(prompt, max_new_tokens=32, drafter="none")
     assert baseline.text.strip() and "Paris" in baseline.text
-    result = pipe.generate(prompt, max_new_tokens=32, gamma=4, schedule="fixed", drafter="ngram")
-    assert result.token_ids == baseline.token_ids
+    result = pipe.generate(prompt, max_new_tokens=32, draft_length=4, schedule="fixed",
+                           drafter="ngram")
+    assert result.token_ids == baseline.token_ids and result.stats.drafted > 0
