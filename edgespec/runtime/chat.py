@@ -4,9 +4,9 @@ then tokenized without the tokenizer's own special tokens.
 The template writes every special token it wants, BOS included (transformers'
 ``apply_chat_template`` tokenizes its output with ``add_special_tokens=False`` for this
 reason): adding the tokenizer's BOS again would give ``[bos, bos, ...]``, a prompt the model
-never saw in training. ``chat_prompt_ids`` does this for the library and the command line;
-it needs only a template and a tokenizer, so the server's rendering process
-(serve/text_process.py, which does the same today) can call it too.
+never saw in training. ``render_chat`` is the one rendering, used by ``chat_prompt_ids`` (the
+library and the command line) and by the server's child process (serve/text_process.py), which
+tokenizes its text the same way but bounded in length.
 
 The template itself (a bounded Jinja sandbox, as transformers renders it) is
 ``edgespec.serve.chat.ChatTemplate``; it needs only jinja2, imported on first use so that
@@ -57,11 +57,16 @@ def check_messages(messages: Sequence[dict]) -> list[dict]:
     return list(messages)
 
 
+def render_chat(template: ChatTemplate, messages: Sequence[dict]) -> str:
+    """The conversation as text, ending where the assistant's answer starts; its special
+    tokens are written by the template, so the text is tokenized without the tokenizer's."""
+    return template.render(check_messages(messages))
+
+
 def chat_prompt_ids(template: ChatTemplate, tokenizer: Tokenizer,
                     messages: Sequence[dict]) -> list[int]:
-    """The conversation rendered with ``template`` (ending where the assistant's answer
-    starts) and tokenized without special tokens: the template wrote them."""
-    text = template.render(check_messages(messages))
+    """The conversation rendered (``render_chat``) and tokenized without special tokens."""
+    text = render_chat(template, messages)
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     if not ids:
         raise GenerationError(f"the chat template {template.name} rendered the conversation "

@@ -31,7 +31,8 @@ import sys
 from pathlib import Path
 
 import edgespec
-from edgespec.errors import EdgespecError, one_line
+from edgespec.errors import EdgespecError, GenerationError, one_line
+from edgespec.runtime.chat import render_chat
 from edgespec.serve.chat import ChatTemplate, ChatTemplateError
 
 MEMORY_BYTES = 1 << 30  # address space the child may add to what it holds after start-up
@@ -202,8 +203,8 @@ class _Child:
             try:
                 if self.template is None:
                     raise ChatTemplateError(self.compile_error or "the package has no template")
-                text = self.template.render(request["render"])
-            except ChatTemplateError as e:
+                text = render_chat(self.template, request["render"])
+            except (ChatTemplateError, GenerationError) as e:
                 return {"error": str(e), "kind": "template"}
             return self._bounded(text, specials=False)
         if "encode" in request:
