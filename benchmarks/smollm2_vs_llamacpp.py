@@ -15,6 +15,11 @@ Three measurements, each a subcommand that writes one JSON file:
                 positions), taken in turns, medians of the repeats.
     lookup      llama-lookup against edgespec's n-gram drafting, greedy, on the package's task
                 prompts (edgespec/bench_prompts.jsonl) rendered with the chat template.
+    speculative every drafter of both, per task prompt, at each temperature: llama-lookup and
+                llama-speculative (its draft-model decoding, with --draft-gguf: the package's
+                draft converted by llama.cpp's convert_hf_to_gguf.py), and edgespec target-only,
+                n-gram (adaptive) and the package's draft model (fixed k for each --ks, and
+                adaptive); tokens/s, acceptance, and whether greedy tokens equal target-only's.
 
 Run from the repository root with the package built by ``edgespec export --target FILE.gguf``:
 
@@ -22,6 +27,8 @@ Run from the repository root with the package built by ``edgespec export --targe
         --text benchmarks/prompts/perplexity_text.txt --json OUT.json
     python benchmarks/smollm2_vs_llamacpp.py decode --pkg PKG --gguf FILE --llama BIN --json OUT.json
     python benchmarks/smollm2_vs_llamacpp.py lookup --pkg PKG --gguf FILE --llama BIN --json OUT.json
+    python benchmarks/smollm2_vs_llamacpp.py speculative --pkg PKG --gguf FILE --llama BIN \
+        --draft-gguf DRAFT.gguf --json OUT.json
 
 BIN is llama.cpp's build/bin. Every record holds the load average at its start (the machine is
 shared; ratios taken in one run, in turns, are what count).
@@ -299,10 +306,127 @@ def cmd_lookup(args) -> dict:
             "repeats": args.repeats, "rows": rows}
 
 
+# ----------------------------------------------------------------------------- speculative
+
+
+def llama_speculative(bin_dir: Path, gguf_path: str, draft_gguf: str, prompt_text: str, n: int,
+                      threads: int, draft: int, temperature: float, seed: int) -> dict:
+    """llama-speculative (draft-model decoding) on one prompt; the full distribution at T > 0
+    (top-k, top-p and min-p off, as edgespec samples here)."""
+    cmd = [str(bin_dir / "llama-speculative"), "-m", gguf_path, "-md", draft_gguf,
+           "-p", prompt_text, "-n", str(n), "-t", str(threads), "-td", str(threads),
+           "--spec-draft-n-max", str(draft), "-c", "2048", "--seed", str(seed),
+           *_llama_sampling(temperature)]
+    return _llama_run(cmd, "llama-speculative")
+
+
+def _llama_sampling(temperature: float) -> list[str]:
+    if temperature == 0:
+        return ["--temp", "0", "--top-k", "1"]
+    return ["--temp", str(temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0"]
+
+
+def _llama_run(cmd: list[str], name: str) -> dict:
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    log = out.stdout + out.stderr
+    if out.returncode != 0:
+        raise SystemExit(f"{name} failed ({out.returncode}):\n{log[-3000:]}")
+
+    def grab(pattern, cast=float):
+        m = re.search(pattern, log)
+        return cast(m.group(1)) if m else None
+
+    drafted, accepted = grab(r"n_drafted\s+=\s+(\d+)", int), grab(r"n_accept\s+=\s+(\d+)", int)
+    return {"tokens_per_s": grab(r"decoded\s+\d+ tokens in\s+[0-9.]+ seconds, speed:\s+([0-9.]+)"),
+            "new_tokens": grab(r"decoded\s+(\d+) tokens", int), "drafted": drafted,
+            "accepted": accepted, "acceptance": accepted / drafted if drafted else None}
+
+
+def cmd_speculative(args) -> dict:
+    bin_dir = Path(args.llama)
+    pipe = load_pipeline(args.pkg, args.threads)
+    has_draft = pipe.manifest.draft is not None
+    ks = [int(k) for k in args.ks.split(",")]
+    configs = {"edgespec_none": dict(drafter="none"),
+               "edgespec_ngram_adaptive": dict(drafter="ngram", schedule="adaptive",
+                                               draft_length=max(ks))}
+    if has_draft:
+        configs.update({f"edgespec_model_k{k}": dict(drafter="model", schedule="fixed",
+                                                     draft_length=k) for k in ks})
+        configs["edgespec_model_adaptive"] = dict(drafter="model", schedule="adaptive",
+                                                  draft_length=max(ks))
+    prompts = [json.loads(l) for l in Path(args.prompts).read_text().splitlines() if l.strip()]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    rows = []
+    for p in prompts[: args.limit]:
+        ids = pipe.encode_chat(p["messages"])
+        text = pipe.tokenizer.decode(ids, skip_special_tokens=False)  # llama.cpp parses specials
+        for temperature in temperatures:
+            row = {"kind": p.get("kind"), "temperature": temperature, "prompt_tokens": len(ids),
+                   "load_average_start": load_average()}
+            runs = {"llamacpp_lookup": [], **({"llamacpp_speculative": []} if args.draft_gguf
+                                             else {}), **{k: [] for k in configs}}
+            for repeat in range(args.repeats):
+                seed = args.seed + repeat
+                lookup = [str(bin_dir / "llama-lookup"), "-m", args.gguf, "-p", text, "-n",
+                          str(args.n), "-t", str(args.threads), "--spec-draft-n-max",
+                          str(args.draft), "-c", "2048", "--seed", str(seed),
+                          *_llama_sampling(temperature)]
+                runs["llamacpp_lookup"].append(_llama_run(lookup, "llama-lookup"))
+                if args.draft_gguf:
+                    runs["llamacpp_speculative"].append(llama_speculative(
+                        bin_dir, args.gguf, args.draft_gguf, text, args.n, args.threads,
+                        args.draft, temperature, seed))
+                for name, settings in configs.items():
+                    r = pipe.generate(ids, max_new_tokens=args.n, temperature=temperature,
+                                      top_k=0, top_p=1.0, seed=seed, token_healing=False,
+                                      **settings)
+                    s = r.stats
+                    runs[name].append({"tokens_per_s": s.tokens_per_s, "new_tokens": s.new_tokens,
+                                       "drafted": s.drafted, "accepted": s.accepted,
+                                       "acceptance": s.acceptance_rate if s.drafted else None,
+                                       "token_ids": r.token_ids})
+            row["runs"] = runs
+            row["median_tokens_per_s"] = {k: statistics.median(x["tokens_per_s"] for x in v)
+                                          for k, v in runs.items()}
+            if temperature == 0:
+                none = runs["edgespec_none"][0]["token_ids"]
+                row["greedy_identical"] = all(runs[k][0]["token_ids"] == none for k in configs)
+            rows.append(row)
+            print(f"{p.get('kind')} T={temperature}: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in row["median_tokens_per_s"].items()), flush=True)
+    return {"new_tokens": args.n, "threads": args.threads, "llamacpp_draft_max": args.draft,
+            "ks": ks, "temperatures": temperatures, "repeats": args.repeats,
+            "summary": summarize_speculative(rows), "rows": rows}
+
+
+def summarize_speculative(rows: list[dict]) -> dict:
+    """Per temperature and kind (and all kinds): each configuration's median tokens/s, its
+    speedup against edgespec target-only (median over prompts of the per-prompt ratio) and its
+    acceptance (accepted / drafted over all runs)."""
+    summary = {}
+    for temperature in sorted({r["temperature"] for r in rows}):
+        at_t = [r for r in rows if r["temperature"] == temperature]
+        for kind in sorted({r["kind"] for r in at_t}) + ["all"]:
+            group = [r for r in at_t if kind in ("all", r["kind"])]
+            out = {}
+            for name in group[0]["median_tokens_per_s"]:
+                drafted = sum(x["drafted"] or 0 for r in group for x in r["runs"][name])
+                accepted = sum(x["accepted"] or 0 for r in group for x in r["runs"][name])
+                out[name] = {
+                    "tokens_per_s": statistics.median(r["median_tokens_per_s"][name] for r in group),
+                    "speedup_vs_edgespec_none": statistics.median(
+                        r["median_tokens_per_s"][name] / r["median_tokens_per_s"]["edgespec_none"]
+                        for r in group),
+                    "acceptance": accepted / drafted if drafted else None}
+            summary[f"T={temperature} {kind}"] = out
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("perplexity", "decode", "lookup"):
+    for name in ("perplexity", "decode", "lookup", "speculative"):
         p = sub.add_parser(name)
         p.add_argument("--pkg", required=True)
         p.add_argument("--gguf", required=True)
@@ -321,14 +445,20 @@ def main() -> None:
         else:
             p.add_argument("--prompts", default="edgespec/bench_prompts.jsonl")
             p.add_argument("-n", type=int, default=128)
-            p.add_argument("--draft", type=int, default=4)
+            p.add_argument("--draft", type=int, default=4, help="llama.cpp's --spec-draft-n-max")
             p.add_argument("--repeats", type=int, default=1)
             p.add_argument("--limit", type=int, default=12)
+        if name == "speculative":
+            p.add_argument("--draft-gguf", help="the package's draft as a GGUF file, for "
+                           "llama-speculative (without it: llama-lookup only)")
+            p.add_argument("--ks", default="1,2,3,4", help="edgespec's fixed draft lengths")
+            p.add_argument("--temperatures", default="0,0.7")
+            p.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     record = {"machine": machine_line(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "gguf": args.gguf, "package": args.pkg, "subcommand": args.command}
     record.update({"perplexity": cmd_perplexity, "decode": cmd_decode,
-                   "lookup": cmd_lookup}[args.command](args))
+                   "lookup": cmd_lookup, "speculative": cmd_speculative}[args.command](args))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     print("wrote", args.json)
