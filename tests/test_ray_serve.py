@@ -15,8 +15,8 @@ import os
 import signal
 import socket
 import threading
-from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -115,8 +115,9 @@ def test_the_cli_on_ray_answers_drains_a_stream_on_sigterm_and_leaves_nothing_ru
         tmp_path):
     """`edgespec serve --replicas 1` starts its own Ray; SIGTERM lets a stream under way
     finish (new requests are refused meanwhile), then stops Serve and Ray. Rejects a
-    shutdown that does not drain: with --drain-timeout 0.1 the held stream is cut (an error
-    event) and this fails."""
+    shutdown that stops Serve at once (serve.shutdown without serve.delete first): its proxy
+    goes, the stream is cut and no 404 ever answers. (A drain too short for the stream is
+    rejected by the redeploy test, which sees the replica draining.)"""
     served = Served("--replicas", "1", env=_hooked_env(tmp_path))
     try:
         below = _descendants(served.process.pid)
@@ -315,7 +316,7 @@ def test_autoscaling_adds_a_replica_for_waiting_requests_and_removes_it_when_idl
     """--autoscale 1:2: three held requests on the one replica (one generating, two waiting:
     3 ongoing against a target of 1) bring a second; once they end, it goes again."""
     scaling = ray_deploy.Autoscale(1, 2, upscale_delay_s=0, downscale_delay_s=1,
-                                   look_back_s=2)
+                                   look_back_s=11)  # the shortest Ray takes
     try:
         _deploy(cluster, ray_deploy.RayOptions(autoscale=scaling))
         wait_until(lambda: _replica_states() == {"RUNNING": 1}, "one replica ran",
@@ -344,6 +345,8 @@ def test_the_autoscale_option_maps_onto_rays_config():
     for wrong in ("3:2", "0:2", "2", "a:b"):
         with pytest.raises(ConfigError, match="autoscale"):
             ray_deploy.Autoscale.parse(wrong)
+    with pytest.raises(ConfigError, match="look_back_s"):
+        ray_deploy.Autoscale(1, 2, look_back_s=5)
 
 
 def test_the_proxy_ends_a_cut_stream_with_an_error_event_and_done():

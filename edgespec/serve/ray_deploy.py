@@ -43,6 +43,7 @@ from pathlib import Path
 
 import ray
 from ray import serve
+from ray.serve.config import DEFAULT_METRICS_INTERVAL_S as METRICS_INTERVAL_S
 
 from edgespec.config import is_int
 from edgespec.errors import ConfigError
@@ -65,8 +66,8 @@ TARGET_ONGOING = 1.0
 class Autoscale:
     """Replicas between ``min_replicas`` and ``max_replicas`` (Ray Serve's autoscaling_config),
     aiming at TARGET_ONGOING requests per replica: more after ``upscale_delay_s`` of a higher
-    mean over the last ``look_back_s``, fewer after ``downscale_delay_s`` of a lower one
-    (Ray's defaults: 30 s, 600 s, 30 s)."""
+    mean over the last ``look_back_s`` (more than Ray's metrics interval), fewer after
+    ``downscale_delay_s`` of a lower one (Ray's defaults: 30 s, 600 s, 30 s)."""
 
     min_replicas: int
     max_replicas: int
@@ -83,6 +84,9 @@ class Autoscale:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0):
                 raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        if self.look_back_s <= METRICS_INTERVAL_S:  # Ray warns now, and will refuse it
+            raise ConfigError(f"look_back_s must be more than Ray's metrics interval "
+                              f"({METRICS_INTERVAL_S:g} s), got {self.look_back_s!r}")
 
     @classmethod
     def parse(cls, text: str, **delays) -> Autoscale:
