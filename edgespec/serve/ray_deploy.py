@@ -187,7 +187,7 @@ class ReplicaFailed:
     uvicorn's plain-text one. With a stream started, an error event then ``[DONE]``, as the
     single-process server ends a stream that fails (the openai client raises APIError on it):
     Ray's proxy logs the replica's death and returns as if the answer were complete
-    (serve/_private/proxy.py, ``proxy_request``: it sends nothing more once the status went
+    (``proxy_request`` in ray.serve._private.proxy: it sends nothing more once the status went
     out), so without this the client saw the chunked body end early, or a clean end without
     ``[DONE]``."""
 
