@@ -374,3 +374,18 @@ def test_the_proxy_ends_a_cut_stream_with_an_error_event_and_done():
     assert not sent[-1].get("more_body") and tail.endswith("data: [DONE]\n\n")
     assert '"code": "replica_failed"' in tail and tail.startswith('data: {"error"')
     assert len(asyncio.run(run(finish=True))) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--replicas", "2", "--autoscale", "1:2"], "not both"),
+    (["--downscale-delay", "5"], "need --autoscale"),
+    (["--autoscale", "3:1"], "1 <= MIN <= MAX"),
+])
+def test_the_cli_refuses_wrong_scaling_options_in_one_line(args, message):
+    from click.testing import CliRunner
+
+    from edgespec.cli.base import main
+
+    result = CliRunner().invoke(main, ["serve", *args])
+    assert result.exit_code in (1, 2) and message in result.output
+    assert "Traceback" not in result.output

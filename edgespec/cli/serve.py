@@ -102,9 +102,11 @@ def serve(package: Path | None, host: str, port: int, model_name: str | None,
         allowed_hosts=hosts_for(host, _listed(allowed_hosts)),
         allowed_origins=_listed(allowed_origins),
         api_key=None if api_key is None else api_key.strip())
+    if replicas is not None and autoscale is not None:
+        raise click.UsageError("give --replicas N or --autoscale MIN:MAX, not both")
+    if autoscale is None and _given("upscale_delay", "downscale_delay"):
+        raise click.UsageError("--upscale-delay and --downscale-delay need --autoscale MIN:MAX")
     if replicas is not None or ray_address is not None or autoscale is not None:
-        if replicas is not None and autoscale is not None:
-            raise click.UsageError("give --replicas N or --autoscale MIN:MAX, not both")
         _warn_if_open(host, api_key)
         return _serve_on_ray(resolve_package(package), host, port, config, provider,
                              draft_provider, _ray_options(
@@ -182,6 +184,15 @@ def _serve_on_ray(package: Path, host: str, port: int, config: ServeConfig, prov
         finally:
             click.echo(f"stopping: the replicas finish what they hold (up to "
                        f"{options.drain_s:g} s)", err=True)
+
+
+def _given(*names: str) -> bool:
+    """Whether any of the options ``names`` was given (not left at its default)."""
+    from click.core import ParameterSource
+
+    context = click.get_current_context()
+    return any(context.get_parameter_source(name) is not ParameterSource.DEFAULT
+               for name in names)
 
 
 def _listed(values: tuple[str, ...]) -> tuple[str, ...]:
