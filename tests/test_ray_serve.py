@@ -314,7 +314,8 @@ def test_a_redeploy_drains_the_replica_that_holds_a_stream(cluster, hold_dir):
 def test_autoscaling_adds_a_replica_for_waiting_requests_and_removes_it_when_idle(
         cluster, hold_dir):
     """--autoscale 1:2: three held requests on the one replica (one generating, two waiting:
-    3 ongoing against a target of 1) bring a second; once they end, it goes again."""
+    3 ongoing against a target of 1) bring a second; once they end, it goes again. Rejects a
+    target of a replica's whole capacity (1 + queue = 9 ongoing): no second replica comes."""
     scaling = ray_deploy.Autoscale(1, 2, upscale_delay_s=0, downscale_delay_s=1,
                                    look_back_s=11)  # the shortest Ray takes
     try:
