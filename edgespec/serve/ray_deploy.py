@@ -43,7 +43,7 @@ from pathlib import Path
 
 import ray
 from ray import serve
-from ray.serve.config import DEFAULT_METRICS_INTERVAL_S as METRICS_INTERVAL_S
+from ray.serve import config as serve_config
 
 from edgespec.config import is_int
 from edgespec.errors import ConfigError
@@ -56,6 +56,8 @@ DRAIN_POLL_S = 0.5  # how often a draining replica looks whether its last reques
 QUIET = {"log_level": "WARNING", "enable_access_log": False}  # Serve's logs, as uvicorn's are
 
 
+# Autoscaling's look-back window must exceed this (Ray warns, and says it will refuse)
+METRICS_INTERVAL_S = getattr(serve_config, "DEFAULT_METRICS_INTERVAL_S", 10.0)
 # A replica generates one request at a time (the others wait in its queue), so the autoscaler
 # aims at one ongoing request per replica: any request waiting on every replica is a reason to
 # add one (Ray: desired = ceil(replicas x mean ongoing / target), between min and max).
@@ -84,7 +86,7 @@ class Autoscale:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0):
                 raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
-        if self.look_back_s <= METRICS_INTERVAL_S:  # Ray warns now, and will refuse it
+        if self.look_back_s <= METRICS_INTERVAL_S:
             raise ConfigError(f"look_back_s must be more than Ray's metrics interval "
                               f"({METRICS_INTERVAL_S:g} s), got {self.look_back_s!r}")
 
