@@ -158,7 +158,7 @@ def cluster(hold_dir):
     Ray's processes running (a failure here is reported as an error in the last test's
     teardown: the tests run in any order). A test that deploys something else deploys this
     again when it is done."""
-    port = _free_port()
+    port, below = _free_port(), set()
     started = ray_deploy.Cluster(OPTIONS, "127.0.0.1", port, CONFIG, num_cpus=3)
     with pytest.MonkeyPatch.context() as env:  # what Ray's processes inherit as they start
         for name, value in _hooked_env(hold_dir).items():
