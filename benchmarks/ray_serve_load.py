@@ -4,7 +4,8 @@ as one process and on a local Ray Serve with 1 and 2 replicas (needs edgespec[ra
 Each server is started in turn on a free loopback port and loaded with serve_load.py's
 clients (streamed, fixed-length greedy completions, back to back); latency is a request's
 whole time, queueing included. The replicas share the machine's cores: one replica gets all
-of them (--replica-cpus), two get an equal share each.
+of them (--replica-cpus), two get an equal share each, as do the one to two of ``rayauto``
+(not run by default: which rows see the second replica depends on Ray's 30 s look-back).
 
     python benchmarks/ray_serve_load.py --requests 16 --max-tokens 64
 """
@@ -45,13 +46,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16, help="per client count")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--servers", default="one,ray1,ray2",
-                        help="which of: one (one process), ray1, ray2 (Ray Serve replicas)")
+                        help="which of: one (one process), ray1, ray2 (Ray Serve replicas), "
+                             "rayauto (--autoscale 1:2, adding a replica without delay)")
     args = parser.parse_args()
     cores = str(len(os.sched_getaffinity(0)))
     setups = {"one": ("one process", []),
               "ray1": ("Ray Serve, 1 replica", ["--replicas", "1", "--replica-cpus", cores]),
               "ray2": ("Ray Serve, 2 replicas", ["--replicas", "2",
-                                                 "--replica-cpus", str(int(cores) / 2)])}
+                                                 "--replica-cpus", str(int(cores) / 2)]),
+              "rayauto": ("Ray Serve, autoscale 1:2", ["--autoscale", "1:2", "--upscale-delay",
+                                                      "0", "--replica-cpus",
+                                                      str(int(cores) / 2)])}
     print(f"{args.requests} streamed requests of {args.max_tokens} tokens (greedy, ignore_eos) "
           f"per row; {cores} cores; load: the 1-minute load average after the row")
     print("| server | clients | requests/s | p50 | p95 | load |")

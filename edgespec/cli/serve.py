@@ -66,13 +66,30 @@ _SERVE = ServeConfig()  # the server's defaults (edgespec/serve/config.py, no he
 @click.option("--replica-cpus", default=1.0, show_default=True,
               type=click.FloatRange(0, min_open=True),
               help="CPUs Ray reserves for each replica; its sessions use as many threads.")
+@click.option("--autoscale", metavar="MIN:MAX",
+              help="Instead of --replicas: Ray Serve's autoscaler keeps MIN to MAX replicas "
+                   "(MIN at start), aiming at 1 ongoing request per replica, since each "
+                   "generates one at a time and queues the rest (up to --queue): it adds one "
+                   "when requests wait on every replica, removes one when they stay below.")
+@click.option("--upscale-delay", default=30.0, show_default=True,
+              type=click.FloatRange(0), help="With --autoscale: seconds of waiting requests "
+                                             "before a replica is added.")
+@click.option("--downscale-delay", default=600.0, show_default=True,
+              type=click.FloatRange(0), help="With --autoscale: seconds of fewer requests "
+                                             "before a replica is removed.")
+@click.option("--drain-timeout", default=30.0, show_default=True,
+              type=click.FloatRange(0, min_open=True),
+              help="On Ray: seconds a replica being stopped (Ctrl-C, SIGTERM, a redeploy, "
+                   "scaling down) keeps answering the requests it holds, streams included; "
+                   "it takes no new ones, and is killed past it.")
 @user_errors
 def serve(package: Path | None, host: str, port: int, model_name: str | None,
           api_key: str | None, allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...],
           queue: int, max_tokens: int, request_timeout: float, max_body: int,
           read_timeout: float, keep_alive: float, limit_concurrency: int, provider: str,
           draft_provider: str | None, replicas: int | None, ray_address: str | None,
-          replica_cpus: float) -> None:
+          replica_cpus: float, autoscale: str | None, upscale_delay: float,
+          downscale_delay: float, drain_timeout: float) -> None:
     """Serve PACKAGE (default: the demo pair) over an OpenAI-compatible HTTP API
     (needs edgespec[serve])."""
     serving = needs_serve_extra()
@@ -85,10 +102,16 @@ def serve(package: Path | None, host: str, port: int, model_name: str | None,
         allowed_hosts=hosts_for(host, _listed(allowed_hosts)),
         allowed_origins=_listed(allowed_origins),
         api_key=None if api_key is None else api_key.strip())
-    if replicas is not None or ray_address is not None:
+    if replicas is not None and autoscale is not None:
+        raise click.UsageError("give --replicas N or --autoscale MIN:MAX, not both")
+    if autoscale is None and _given("upscale_delay", "downscale_delay"):
+        raise click.UsageError("--upscale-delay and --downscale-delay need --autoscale MIN:MAX")
+    if replicas is not None or ray_address is not None or autoscale is not None:
         _warn_if_open(host, api_key)
         return _serve_on_ray(resolve_package(package), host, port, config, provider,
-                             draft_provider, replicas or 1, ray_address, replica_cpus)
+                             draft_provider, _ray_options(
+                                 replicas, ray_address, replica_cpus, autoscale,
+                                 upscale_delay, downscale_delay, drain_timeout))
     sock = serving.server.bind(host, port)  # first: a port in use is reported at once
     try:
         pipe = runtime().load(resolve_package(package), provider=provider,
@@ -115,22 +138,40 @@ def _warn_if_open(host: str, api_key: str | None) -> None:
                    "this machine can use the model", err=True)
 
 
-def _serve_on_ray(package: Path, host: str, port: int, config: ServeConfig, provider: str,
-                  draft_provider: str | None, replicas: int, address: str | None,
-                  replica_cpus: float) -> None:
-    """The same app as Ray Serve replicas (serve/ray_deploy.py) until Ctrl-C or SIGTERM."""
+def _ray_deploy():
     try:
         from edgespec.serve import ray_deploy
     except ImportError as e:
-        raise click.ClickException(f"--replicas and --ray-address need the ray extra ({e.name} "
-                                   "is missing): pip install \"edgespec[ray]\"") from None
+        raise click.ClickException(f"--replicas, --autoscale and --ray-address need the ray "
+                                   f"extra ({e.name} is missing): pip install "
+                                   "\"edgespec[ray]\"") from None
+    return ray_deploy
+
+
+def _ray_options(replicas: int | None, address: str | None, replica_cpus: float,
+                 autoscale: str | None, upscale_delay: float, downscale_delay: float,
+                 drain_timeout: float):
+    ray_deploy = _ray_deploy()
+    scaling = None if autoscale is None else ray_deploy.Autoscale.parse(
+        autoscale, upscale_delay_s=upscale_delay, downscale_delay_s=downscale_delay)
+    return ray_deploy.RayOptions(replicas or 1, address, replica_cpus, scaling, drain_timeout)
+
+
+def _serve_on_ray(package: Path, host: str, port: int, config: ServeConfig, provider: str,
+                  draft_provider: str | None, options) -> None:
+    """The same app as Ray Serve replicas (serve/ray_deploy.py) until Ctrl-C or SIGTERM, which
+    drain them (--drain-timeout)."""
+    ray_deploy = _ray_deploy()
     from edgespec.serve.server import bind, url
 
+    address = options.address
     if address is None:  # a local Ray: a port in use is reported at once, not by Ray's
         with bind(host, port) as sock:  # proxy later; 0: a free port, chosen here
             port = sock.getsockname()[1]
     # on a cluster, Serve's proxies may hold the port already (then they keep their own)
-    options = ray_deploy.RayOptions(replicas, address, replica_cpus)
+    scale = options.autoscale
+    replicas = (f"{scale.min_replicas} to {scale.max_replicas}" if scale
+                else str(options.replicas))
     with ray_deploy.Cluster(options, host, port, config) as cluster:
         click.echo(f"deploying {replicas} replica(s) of {package} on Ray "
                    f"({address or 'a local instance'})", err=True)
@@ -138,7 +179,20 @@ def _serve_on_ray(package: Path, host: str, port: int, config: ServeConfig, prov
         click.echo(f"serving {config.model or package.resolve().name} at {url(host, port)}/v1 "
                    f"({replicas} replica(s) on Ray Serve, {config.queue} waiting at most in "
                    "each); Ctrl-C stops", err=True)
-        ray_deploy.wait_forever()
+        try:
+            ray_deploy.wait_forever()
+        finally:
+            click.echo(f"stopping: the replicas finish what they hold (up to "
+                       f"{options.drain_s:g} s)", err=True)
+
+
+def _given(*names: str) -> bool:
+    """Whether any of the options ``names`` was given (not left at its default)."""
+    from click.core import ParameterSource
+
+    context = click.get_current_context()
+    return any(context.get_parameter_source(name) is not ParameterSource.DEFAULT
+               for name in names)
 
 
 def _listed(values: tuple[str, ...]) -> tuple[str, ...]:

@@ -24,8 +24,12 @@ holds up to ``limit_concurrency`` more waiting for a replica, then answers 503 i
 What the proxy answers itself (that 503, a request whose replica died before answering) is
 put in OpenAI's error shape by ``proxy_middlewares``, which Ray's proxy takes from the
 environment variable PROXY_CALLBACK names: set here before a local Ray starts, and to be
-exported before ``ray start`` on a cluster. A replica that dies while it streams an answer cuts
-the stream (no ``[DONE]``): the status was sent already.
+exported before ``ray start`` on a cluster; it also ends a stream whose replica died with an
+error event and ``[DONE]`` (the status was sent already).
+
+Replicas come and go gracefully: one being replaced (a redeploy of a new version), stopped
+(edgespec's Ctrl-C / SIGTERM) or scaled away (``Autoscale``) takes no new requests and finishes
+those it holds, for up to ``RayOptions.drain_s``, before it exits.
 """
 
 from __future__ import annotations
@@ -39,23 +43,87 @@ from pathlib import Path
 
 import ray
 from ray import serve
+from ray.serve import config as serve_config
 
+from edgespec.config import is_int
+from edgespec.errors import ConfigError
 from edgespec.serve.config import ServeConfig
 
 APP_NAME = "edgespec"
 REPLICA_HEADER = "x-edgespec-replica"
 PROXY_CALLBACK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"  # read by Ray's proxy at start
+DRAIN_POLL_S = 0.5  # how often a draining replica looks whether its last request ended
 QUIET = {"log_level": "WARNING", "enable_access_log": False}  # Serve's logs, as uvicorn's are
+
+
+# Autoscaling's look-back window must exceed this (Ray warns, and says it will refuse)
+METRICS_INTERVAL_S = getattr(serve_config, "DEFAULT_METRICS_INTERVAL_S", 10.0)
+# A replica generates one request at a time (the others wait in its queue), so the autoscaler
+# aims at one ongoing request per replica: any request waiting on every replica is a reason to
+# add one (Ray: desired = ceil(replicas x mean ongoing / target), between min and max).
+TARGET_ONGOING = 1.0
+
+
+@dataclass(frozen=True)
+class Autoscale:
+    """Replicas between ``min_replicas`` and ``max_replicas`` (Ray Serve's autoscaling_config),
+    aiming at TARGET_ONGOING requests per replica: more after ``upscale_delay_s`` of a higher
+    mean over the last ``look_back_s`` (more than Ray's metrics interval), fewer after
+    ``downscale_delay_s`` of a lower one (Ray's defaults: 30 s, 600 s, 30 s)."""
+
+    min_replicas: int
+    max_replicas: int
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    look_back_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not (is_int(self.min_replicas) and is_int(self.max_replicas)
+                and 1 <= self.min_replicas <= self.max_replicas):
+            raise ConfigError(f"autoscale needs 1 <= MIN <= MAX replicas, got "
+                              f"{self.min_replicas}:{self.max_replicas}")
+        for name in ("upscale_delay_s", "downscale_delay_s", "look_back_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        if self.look_back_s <= METRICS_INTERVAL_S:
+            raise ConfigError(f"look_back_s must be more than Ray's metrics interval "
+                              f"({METRICS_INTERVAL_S:g} s), got {self.look_back_s!r}")
+
+    @classmethod
+    def parse(cls, text: str, **delays) -> Autoscale:
+        """``MIN:MAX`` as given to ``--autoscale``."""
+        low, sep, high = text.partition(":")
+        if not (sep and low.strip().isdigit() and high.strip().isdigit()):
+            raise ConfigError(f"autoscale must be MIN:MAX replicas such as 1:4, got {text!r}")
+        return cls(int(low), int(high), **delays)
+
+    def ray_config(self) -> dict:
+        return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                "initial_replicas": self.min_replicas,
+                "target_ongoing_requests": TARGET_ONGOING,
+                "upscale_delay_s": self.upscale_delay_s,
+                "downscale_delay_s": self.downscale_delay_s,
+                "look_back_period_s": self.look_back_s}
 
 
 @dataclass(frozen=True)
 class RayOptions:
-    """Where and how wide: ``replicas`` copies of the app, each on ``replica_cpus`` CPUs, on the
-    Ray cluster at ``address`` (None: a local one that edgespec starts and stops)."""
+    """Where and how wide: ``replicas`` copies of the app (or as many as ``autoscale`` says),
+    each on ``replica_cpus`` CPUs, on the Ray cluster at ``address`` (None: a local one that
+    edgespec starts and stops). ``drain_s``: how long a replica being replaced or stopped
+    (a redeploy, edgespec's shutdown, scaling down) keeps answering the requests it holds,
+    streams included, before Ray kills it; it takes no new ones meanwhile."""
 
     replicas: int = 1
     address: str | None = None
     replica_cpus: float = 1.0
+    autoscale: Autoscale | None = None
+    drain_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.drain_s, (int, float)) and self.drain_s > 0):
+            raise ConfigError(f"drain_s must be a number of seconds > 0, got {self.drain_s!r}")
 
 
 @serve.ingress()
@@ -108,12 +176,22 @@ def proxy_middlewares() -> list:
 
     from edgespec.serve.middleware import OpenAIErrors
 
-    return [Middleware(Unanswered), Middleware(OpenAIErrors)]
+    return [Middleware(ReplicaFailed), Middleware(OpenAIErrors)]
 
 
-class Unanswered:
-    """In Ray's proxy: a request that got no answer from its replica (it died, or could not
-    be reached) gets OpenAI's 500 rather than uvicorn's plain-text one."""
+REPLICA_FAILED = ("the replica serving this request failed before it finished (Ray starts "
+                  "another); retry")
+
+
+class ReplicaFailed:
+    """In Ray's proxy: an answer its replica did not finish (the replica died, or could not
+    be reached) ends in OpenAI's error shape. With no answer started, a 500 rather than
+    uvicorn's plain-text one. With a stream started, an error event then ``[DONE]``, as the
+    single-process server ends a stream that fails (the openai client raises APIError on it):
+    Ray's proxy logs the replica's death and returns as if the answer were complete
+    (``proxy_request`` in ray.serve._private.proxy: it sends nothing more once the status went
+    out), so without this the client saw the chunked body end early, or a clean end without
+    ``[DONE]``."""
 
     def __init__(self, app):
         self.app = app
@@ -121,27 +199,38 @@ class Unanswered:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = False
+        started, finished, stream = False, False, False
 
         async def send_tracked(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal started, finished, stream
+            if message["type"] == "http.response.start":
+                started = True
+                stream = any(name.lower() == b"content-type" and
+                             value.startswith(b"text/event-stream")
+                             for name, value in message.get("headers", []))
+            elif message["type"] == "http.response.body":
+                finished = not message.get("more_body", False)
             await send(message)
 
         try:
             await self.app(scope, receive, send_tracked)
         except Exception:
-            if started:
+            if started and not stream:
                 raise
+        if finished:
+            return
+        from edgespec.serve.middleware import error_body
+
+        body = error_body(REPLICA_FAILED, "server_error", code="replica_failed")
         if not started:
             from starlette.responses import JSONResponse
 
-            from edgespec.serve.middleware import error_body
+            await JSONResponse(body, status_code=500)(scope, receive, send)
+        elif stream:
+            from edgespec.serve.responses import event
 
-            await JSONResponse(error_body(
-                "the replica serving this request failed before it answered (Ray starts "
-                "another); retry", "server_error", code="replica_failed"),
-                status_code=500)(scope, receive, send)
+            await send({"type": "http.response.body",
+                        "body": (event(body) + "data: [DONE]\n\n").encode()})
 
 
 def _session_configs(package: Path, threads: int, provider: str, draft_provider: str | None):
@@ -159,11 +248,14 @@ def _session_configs(package: Path, threads: int, provider: str, draft_provider:
 def application(package: Path, config: ServeConfig, options: RayOptions, provider: str = "auto",
                 draft_provider: str | None = None):
     """The bound Ray Serve application of ``options.replicas`` replicas serving ``package``."""
+    scale = ({"autoscaling_config": options.autoscale.ray_config()} if options.autoscale
+             else {"num_replicas": options.replicas})
     deployment = serve.deployment(
-        Edgespec, name=APP_NAME, num_replicas=options.replicas,
+        Edgespec, name=APP_NAME, **scale,
         ray_actor_options={"num_cpus": options.replica_cpus},
         max_ongoing_requests=1 + config.queue, max_queued_requests=config.limit_concurrency,
-        logging_config=QUIET)
+        graceful_shutdown_timeout_s=options.drain_s,
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S, logging_config=QUIET)
     threads = max(1, int(options.replica_cpus))
     return deployment.bind(str(Path(package).resolve()), config, threads, provider,
                            draft_provider)
@@ -178,6 +270,7 @@ class Cluster:
         self.options, self.host, self.port, self.config = options, host, port, config
         self.num_cpus = num_cpus  # a local cluster's CPUs (None: the machine's)
         self.started = False  # whether edgespec started Ray (and so stops it)
+        self.serving = False  # whether Serve answered serve.start
 
     def __enter__(self) -> Cluster:
         self.started = self.options.address is None and not ray.is_initialized()
@@ -194,6 +287,7 @@ class Cluster:
             serve.start(http_options={"host": self.host, "port": self.port,
                                       "keep_alive_timeout_s": int(self.config.keep_alive_s)},
                         logging_config=QUIET)
+            self.serving = True
         except BaseException:
             self.close()
             raise
@@ -207,16 +301,21 @@ class Cluster:
         self.close()
 
     def close(self) -> None:
+        """Take the application away, its replicas drained (each finishes what it holds, up to
+        ``drain_s``, while the proxy still carries its answers), then stop Serve and Ray if
+        edgespec started them."""
         if not ray.is_initialized():  # closed already
             return
         try:
-            if self.started:
-                serve.shutdown()
-            else:  # someone else's cluster: take away only this application
-                serve.delete(APP_NAME)
+            if self.serving:
+                serve.delete(APP_NAME)  # blocks until the replicas have stopped
         finally:
-            if self.started:
-                ray.shutdown()
+            try:
+                if self.started:
+                    serve.shutdown()
+            finally:
+                if self.started:
+                    ray.shutdown()
 
 
 def wait_forever() -> None:
