@@ -70,7 +70,8 @@ def _model(kind: str, seed: int, tied: bool, hidden: int = 64):
 
 
 def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied: bool = True,
-               tokenizer: bool = True, architecture: str | None = None, hidden: int = 64) -> Path:
+               tokenizer: bool = True, architecture: str | None = None, hidden: int = 64,
+               value_length: int | None = None) -> Path:
     """A GGUF file of a tiny random ``kind`` model, tensors quantized as ``types`` says (GGUF
     short names: "attn_q", "token_embd", ... -> "Q4_1"; others F32), with the tests' tokenizer
     as tokenizer.ggml.* metadata. K-quants (which gguf-py cannot make) are random blocks."""
@@ -90,7 +91,7 @@ def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied
     writer.add_rope_dimension_count(head_dim)
     if kind == "qwen3":  # as llama.cpp's converter writes a config.json's head_dim
         writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
+        writer.add_value_length(value_length or head_dim)
     writer.add_vocab_size(cfg.vocab_size)
     if tokenizer:
         backend = json.loads(bpe.backend_tokenizer.to_str())
@@ -374,6 +375,7 @@ def _truncated(path: Path, good: Path) -> Path:
     ("truncated", "truncated"),
     ("Q8_K", "type Q8_K"),
     ("two_files", "holds 2 .gguf files"),
+    ("value_length", "keys and values differ in size"),
 ])
 def test_bad_gguf_files_are_one_line_errors_and_write_nothing(files, tmp_path, case, match):
     if case == "phi3":
@@ -382,6 +384,8 @@ def test_bad_gguf_files_are_one_line_errors_and_write_nothing(files, tmp_path, c
         bad = write_gguf(tmp_path / "bare.gguf", "llama", LLAMA_Q4_0, tokenizer=False)
     elif case == "truncated":
         bad = _truncated(tmp_path / "cut.gguf", files["llama"])
+    elif case == "value_length":  # heads of 32 for keys, 16 for values (a head size apart)
+        bad = write_gguf(tmp_path / "kv.gguf", "qwen3", QWEN3, value_length=16)
     elif case == "Q8_K":
         # llama.cpp's intermediate Q8_K, which gguf-py cannot dequantize
         bad = write_gguf(tmp_path / "q8k.gguf", "llama", {**LLAMA_Q4_0, "ffn_up.1": "Q8_K"})
