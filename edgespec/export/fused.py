@@ -282,7 +282,8 @@ class _Builder:
 
         cfg = self.config
         self.eps = getattr(cfg, "rms_norm_eps", 1e-6)
-        kv_heads, head_dim, layers = cfg.num_key_value_heads, head_dim_of(cfg), cfg.num_hidden_layers
+        kv_heads, head_dim = cfg.num_key_value_heads, head_dim_of(cfg)
+        layers = cfg.num_hidden_layers
 
         # seqlens_k = (tokens covered after this run) - 1; total = that count, both int32
         (mask_sum,) = self.node("ReduceSum", ["attention_mask", self.weight("axis1", np.array([1]))],
