@@ -54,6 +54,16 @@ def _llama3(hidden, intermediate, layers, heads, tied, rope_factor) -> dict:
                               "rope_type": "llama3"})
 
 
+def _qwen3(hidden, intermediate, layers, heads, tied) -> dict:
+    """Qwen3's dense configs (https://huggingface.co/Qwen/Qwen3-{0.6B,1.7B,4B,8B}, config.json;
+    the same figures in Lightning-AI/litgpt's litgpt/config.py): 8 KV heads of head_dim 128
+    whatever hidden / heads is, q/k norms, tied embeddings up to 4B."""
+    return dict(model_type="qwen3", hidden_size=hidden, intermediate_size=intermediate,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8,
+                head_dim=128, vocab_size=151936, tie_word_embeddings=tied,
+                max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
+
+
 def _smollm2(hidden, intermediate, layers, heads, kv_heads) -> dict:
     return dict(model_type="llama", hidden_size=hidden, intermediate_size=intermediate,
                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -68,6 +78,10 @@ SHAPES = {
     "qwen2.5-1.5b": _qwen2(1536, 8960, layers=28, heads=12, kv_heads=2),
     "qwen2.5-3b": _qwen2(2048, 11008, layers=36, heads=16, kv_heads=2),
     "qwen2.5-7b": _qwen2(3584, 18944, layers=28, heads=28, kv_heads=4, vocab=152064, tied=False),
+    "qwen3-0.6b": _qwen3(1024, 3072, layers=28, heads=16, tied=True),
+    "qwen3-1.7b": _qwen3(2048, 6144, layers=28, heads=16, tied=True),
+    "qwen3-4b": _qwen3(2560, 9728, layers=36, heads=32, tied=True),
+    "qwen3-8b": _qwen3(4096, 12288, layers=36, heads=32, tied=False),
     "llama-3.2-1b": _llama3(2048, 8192, layers=16, heads=32, tied=True, rope_factor=32.0),
     "llama-3.2-3b": _llama3(3072, 8192, layers=28, heads=24, tied=True, rope_factor=32.0),
     "llama-3.1-8b": _llama3(4096, 14336, layers=32, heads=32, tied=False, rope_factor=8.0),

@@ -102,6 +102,30 @@ def llama(vocab: int, hidden: int, layers: int, seed: int, init: float = 0.02, p
     return LlamaForCausalLM(config).eval()
 
 
+def qwen3(vocab: int, hidden: int, layers: int, seed: int, **config):
+    """A random Qwen3 with 4 heads over 2 KV heads of ``head_dim`` 32 (not hidden / heads, as
+    in the real ones), tied, and its q/k norm weights drawn around 1: with equal weights on
+    the two dimensions a rotation pairs (all 1, the initial value), normalizing before or after
+    the rotation gives the same numbers, and a test could not tell the order."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(**dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=128, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        tie_word_embeddings=True) | config)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(1, 0.2)
+            elif name.endswith("bias"):
+                parameter.normal_(0, 0.3)
+    return model
+
+
 def gpt2(vocab: int, hidden: int, layers: int, seed: int, init: float = 0.02, positions=128):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -25,10 +25,12 @@ from edgespec.export.validate import reference_logits, reference_logits_by_layer
 
 
 def _checkpoint(folder: Path, kind: str, dtype: torch.dtype, seed: int, **config) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     bpe = _hf_tokenizer(_train_bpe(400))
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
     config_class, model_class = classes[kind]
     shape = dict(vocab_size=len(bpe), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -48,7 +50,7 @@ def _checkpoint(folder: Path, kind: str, dtype: torch.dtype, seed: int, **config
 def shapes(tmp_path_factory) -> dict[str, Path]:
     """Checkpoints that exercise what the builder reads: float32 untied; bf16 tied with q/k/v
     biases (Qwen2); bf16, tied, llama3 rope scaling, a padded vocabulary and attention
-    biases on q/k/v/o (Llama)."""
+    biases on q/k/v/o (Llama); bf16 tied with q/k norms and heads of 32 (Qwen3)."""
     root = tmp_path_factory.mktemp("shapes")
     return {
         "llama-fp32": _checkpoint(root / "llama-fp32", "llama", torch.float32, 1),
@@ -60,6 +62,8 @@ def shapes(tmp_path_factory) -> dict[str, Path]:
             tie_word_embeddings=True, rope_theta=500000.0,
             rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                           "original_max_position_embeddings": 32, "rope_type": "llama3"}),
+        "qwen3-bf16-tied": _checkpoint(root / "qwen3", "qwen3", torch.bfloat16, 4, head_dim=32,
+                                       tie_word_embeddings=True),
     }
 
 
@@ -115,7 +119,8 @@ def test_block_quantization_is_onnxruntimes_bit_for_bit(bits):
         np.testing.assert_array_equal(scales, expected_scales)
 
 
-@pytest.mark.parametrize("name", ["llama-fp32", "qwen2-bf16-tied", "llama3-bf16-tied"])
+@pytest.mark.parametrize("name", ["llama-fp32", "qwen2-bf16-tied", "llama3-bf16-tied",
+                                  "qwen3-bf16-tied"])
 def test_the_streamed_graph_is_the_one_made_from_the_loaded_model(shapes, tmp_path, name):
     """Read a tensor at a time, the builder writes the same file, byte for byte, as from the
     parameters of the model from_pretrained loads (what it read before): same weights in the
@@ -164,7 +169,8 @@ def test_quantized_graphs_hold_the_bytes_of_onnxruntimes_quantizer(shapes, tmp_p
         assert np.abs(mine - theirs).max() <= 1 and (mine != theirs).mean() < 0.01
 
 
-@pytest.mark.parametrize("name", ["llama-fp32", "qwen2-bf16-tied", "llama3-bf16-tied"])
+@pytest.mark.parametrize("name", ["llama-fp32", "qwen2-bf16-tied", "llama3-bf16-tied",
+                                  "qwen3-bf16-tied"])
 def test_the_layer_by_layer_reference_is_the_whole_models(shapes, name):
     path = shapes[name]
     ids = np.random.default_rng(0).integers(0, 400, size=24)

@@ -33,7 +33,8 @@ Q = gguf.GGMLQuantizationType
 _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-          "post_attention_layernorm": "ffn_norm"}
+          "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
+          "self_attn.k_norm": "attn_k_norm"}
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -43,19 +44,24 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _model(kind: str, seed: int, tied: bool, hidden: int = 64):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     bpe = _hf_tokenizer(_train_bpe(400))
-    if kind == "qwen2":  # transformers' Qwen2 GGUF tokenizer adds these unless the file has them
+    if kind in ("qwen2", "qwen3"):  # transformers' Qwen2 GGUF tokenizer (Qwen3's too) adds
+        # these unless the file has them
         bpe.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
     config_class, model_class = classes[kind]
+    # Qwen3: heads of 32 where hidden / heads is 16, and not Qwen3Config's default 128 either
+    head = {"head_dim": 32} if kind == "qwen3" else {}
     torch.manual_seed(seed)
     config = config_class(vocab_size=len(bpe), hidden_size=hidden, intermediate_size=2 * hidden,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           max_position_embeddings=128, bos_token_id=0, eos_token_id=0,
                           pad_token_id=0, tie_word_embeddings=tied, rms_norm_eps=1e-6,
-                          rope_theta=10000.0)
+                          rope_theta=10000.0, **head)
     model = model_class(config).eval()
     with torch.no_grad():  # weights of a trained model's size, norms away from 1
         for name, p in model.named_parameters():
@@ -64,7 +70,8 @@ def _model(kind: str, seed: int, tied: bool, hidden: int = 64):
 
 
 def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied: bool = True,
-               tokenizer: bool = True, architecture: str | None = None, hidden: int = 64) -> Path:
+               tokenizer: bool = True, architecture: str | None = None, hidden: int = 64,
+               value_length: int | None = None) -> Path:
     """A GGUF file of a tiny random ``kind`` model, tensors quantized as ``types`` says (GGUF
     short names: "attn_q", "token_embd", ... -> "Q4_1"; others F32), with the tests' tokenizer
     as tokenizer.ggml.* metadata. K-quants (which gguf-py cannot make) are random blocks."""
@@ -80,7 +87,11 @@ def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    if kind == "qwen3":  # as llama.cpp's converter writes a config.json's head_dim
+        writer.add_key_length(head_dim)
+        writer.add_value_length(value_length or head_dim)
     writer.add_vocab_size(cfg.vocab_size)
     if tokenizer:
         backend = json.loads(bpe.backend_tokenizer.to_str())
@@ -150,6 +161,9 @@ LLAMA = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q
 QWEN2 = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q5_0",
          "ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q8_0", "token_embd": "Q4_1",
          "output": "Q4_0"}
+# qwen3 (per-head q/k norms, F32), tied Q4_0 table: q/k/v Q4_0, o and the MLP Q4_1
+QWEN3 = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_1",
+         "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_1", "token_embd": "Q4_0"}
 # llama, tied Q4_0 table: GatherBlockQuantized and the output layer's MatMulNBits share it
 LLAMA_Q4_0 = {k: "Q4_0" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                    "ffn_up", "ffn_down", "token_embd")}
@@ -167,6 +181,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
         "qwen2": write_gguf(root / "qwen2.gguf", "qwen2", QWEN2, seed=2, tied=False),
         "llama_q4_0": write_gguf(root / "q4_0.gguf", "llama", LLAMA_Q4_0, seed=3),
         "llama_k": write_gguf(root / "k.gguf", "llama", LLAMA_K, seed=5, hidden=256),
+        "qwen3": write_gguf(root / "qwen3.gguf", "qwen3", QWEN3, seed=6),
     }
 
 
@@ -254,10 +269,13 @@ def test_tensors_are_transformers_gguf_weights(files):
     from edgespec.export.gguf import GGUFTensors, read_gguf_checkpoint
     from edgespec.export.graph import meta_model
 
-    for name in ("llama", "qwen2"):
+    for name in ("llama", "qwen2", "qwen3"):
         file = files[name]
-        loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name)
         ckpt = read_gguf_checkpoint(file, "target")
+        # with edgespec's config: transformers' own reads no head size from the file, and
+        # gives a Qwen3 Qwen3Config's default (128)
+        loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name,
+                                                      config=ckpt.config)
         tensors = GGUFTensors(file, meta_model(ckpt.config))
         for key, value in loaded.state_dict().items():
             if key == "lm_head.weight" and loaded.config.tie_word_embeddings:
@@ -272,7 +290,7 @@ def test_tensors_are_transformers_gguf_weights(files):
 
 # -- exported packages --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_q4_0", "llama_k"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_q4_0", "llama_k", "qwen3"])
 def test_exports_equal_the_dequantized_model_at_fp32s_gate(packages, name):
     manifest = edgespec.manifest.Manifest.read(packages[name])
     validation = manifest.target.validation
@@ -286,18 +304,21 @@ def test_exports_equal_the_dequantized_model_at_fp32s_gate(packages, name):
     expected = {"llama": {"Q4_0": 4, "Q4_1": 7},
                 "qwen2": {"Q4_0": 5, "Q4_1": 1},
                 "llama_q4_0": {"Q4_0": 15},
-                "llama_k": {"Q4_K": 10}}[name]
+                "llama_k": {"Q4_K": 10},
+                "qwen3": {"Q4_0": 7, "Q4_1": 8}}[name]
     assert repacked == expected
     # 8-bit blocks are read as floats for float compute; Q5_0 is not repacked
     dequantized = {"llama": {"Q8_0": 3}, "qwen2": {"Q5_0": 2, "Q8_0": 8}, "llama_q4_0": None,
-                   "llama_k": {"Q6_K": 5}}[name]
+                   "llama_k": {"Q6_K": 5}, "qwen3": None}[name]
     assert weights["tensors"].get("dequantized") == dequantized
     if name == "llama":
         assert weights["tensors"]["kept"]["F16"] == 1
+    if name == "qwen3":  # the head size from attention.key_length; the norms read as stored
+        assert manifest.target.head_dim == 32 and weights["tensors"]["kept"]["F32"] == 9
     assert manifest.source["target"].endswith(".gguf")
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_q4_0", "llama_k"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_q4_0", "llama_k", "qwen3"])
 def test_greedy_output_with_ngram_drafting_is_target_only(packages, name):
     pipe = edgespec.load(packages[name])
     drafted = 0
@@ -354,6 +375,7 @@ def _truncated(path: Path, good: Path) -> Path:
     ("truncated", "truncated"),
     ("Q8_K", "type Q8_K"),
     ("two_files", "holds 2 .gguf files"),
+    ("value_length", "keys and values differ in size"),
 ])
 def test_bad_gguf_files_are_one_line_errors_and_write_nothing(files, tmp_path, case, match):
     if case == "phi3":
@@ -362,6 +384,8 @@ def test_bad_gguf_files_are_one_line_errors_and_write_nothing(files, tmp_path, c
         bad = write_gguf(tmp_path / "bare.gguf", "llama", LLAMA_Q4_0, tokenizer=False)
     elif case == "truncated":
         bad = _truncated(tmp_path / "cut.gguf", files["llama"])
+    elif case == "value_length":  # heads of 32 for keys, 16 for values (a head size apart)
+        bad = write_gguf(tmp_path / "kv.gguf", "qwen3", QWEN3, value_length=16)
     elif case == "Q8_K":
         # llama.cpp's intermediate Q8_K, which gguf-py cannot dequantize
         bad = write_gguf(tmp_path / "q8k.gguf", "llama", {**LLAMA_Q4_0, "ffn_up.1": "Q8_K"})

@@ -89,17 +89,22 @@ def test_measure_assemble_and_tables(rs, packages, tmp_path):
 
 
 def test_checkpoints_are_made_shard_by_shard_and_load(rs, tmp_path, monkeypatch):
-    """A tied and an untied shape, in shards (SHARD_BYTES made small): from_pretrained loads
-    them, with the public shapes' distributions (norms 1, weights ~ N(0, 0.02))."""
+    """Tied and untied shapes, in shards (SHARD_BYTES made small): from_pretrained loads
+    them, with the public shapes' distributions (norms 1, weights ~ N(0, 0.02)); a Qwen3 keeps
+    its own head size and q/k norms."""
     import torch
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setattr(rs, "SHARD_BYTES", 200_000)
-    for name, tied in (("tiny-qwen2", True), ("tiny-llama", False)):
-        base = rs.SHAPES["qwen2.5-0.5b" if tied else "llama-3.1-8b"]
+    bases = {"tiny-qwen2": ("qwen2.5-0.5b", True), "tiny-llama": ("llama-3.1-8b", False),
+             "tiny-qwen3": ("qwen3-0.6b", True)}
+    for name, (shape, tied) in bases.items():
+        base = rs.SHAPES[shape]
+        head = {"head_dim": 32} if "head_dim" in base else {}
         monkeypatch.setitem(rs.SHAPES, name, {**base, "hidden_size": 64, "intermediate_size": 96,
                                               "num_hidden_layers": 2, "num_attention_heads": 4,
-                                              "num_key_value_heads": 2, "vocab_size": 1100})
+                                              "num_key_value_heads": 2, "vocab_size": 1100,
+                                              **head})
         path = rs.make_checkpoint(name, tmp_path / name)
         assert len(list(path.glob("model-*-of-*.safetensors"))) >= 2
         model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
@@ -108,3 +113,7 @@ def test_checkpoints_are_made_shard_by_shard_and_load(rs, tmp_path, monkeypatch)
         assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
         assert torch.equal(weights["model.norm.weight"], torch.ones(64, dtype=torch.bfloat16))
         assert abs(float(weights["model.layers.1.mlp.down_proj.weight"].float().std()) - 0.02) < 2e-3
+        if head:  # heads of 32 where hidden / heads is 16, their norms 1
+            assert weights["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 32, 64)
+            assert torch.equal(weights["model.layers.0.self_attn.k_norm.weight"],
+                               torch.ones(32, dtype=torch.bfloat16))

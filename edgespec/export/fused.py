@@ -1,4 +1,5 @@
-"""A fused ONNX graph for Llama-family decoders, written from the checkpoint's weights.
+"""A fused ONNX graph for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3), written from the
+checkpoint's weights.
 
 (Over 400 lines on purpose: one builder writes the whole graph in one pass, and the ops of a
 layer, with the checkpoint's float weights and a GGUF file's own blocks, read best together.)
@@ -11,6 +12,7 @@ model's decode step. This builder emits the few fused onnxruntime operators the 
     Gather(embedding)
     per layer:  SkipSimplifiedLayerNormalization  (residual add + RMSNorm)
                 MatMul(q|k|v fused)  -> GroupQueryAttention (rotary, causal, KV cache)
+                    (Qwen3: q and k split off and RMS-normalized head by head first)
                 MatMul(o)  -> SkipSimplifiedLayerNormalization
                 MatMul(gate|up fused) -> SiLU(gate) * up -> MatMul(down)
     SkipSimplifiedLayerNormalization -> MatMul(lm_head) -> logits
@@ -42,31 +44,14 @@ import torch
 from transformers import PreTrainedModel
 
 from edgespec.errors import ExportError
+from edgespec.export.families import QK_NORM, head_dim_of, why_not_fused
 from edgespec.export.memory import trim
 from edgespec.export.onnx_io import EXTERNAL_ABOVE, WeightStore, write_graph
 from edgespec.export.precision import INT8_COMPUTE, QUANT_BLOCK_SIZE, quantize_blocks
 
-SUPPORTED = ("llama", "mistral", "qwen2")
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"  # the checkpoint's names
 _MS = "com.microsoft"
 _OPSET = 17
-
-
-def why_not_fused(config) -> str | None:
-    """None if the builder handles a model of this config, else the reason it does not."""
-    if config.model_type not in SUPPORTED:
-        return f"{config.model_type} is not a Llama-family model"
-    scaling = getattr(config, "rope_scaling", None) or {}
-    if scaling.get("rope_type", scaling.get("type")) in ("dynamic", "longrope"):
-        return f"rope scaling {scaling} depends on the sequence length; not supported"
-    head_dim = _head_dim(config)
-    if head_dim % 16:
-        return f"head size {head_dim} is not a multiple of 16 (GroupQueryAttention needs it)"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "sliding-window attention is not supported"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act} is not supported"
-    return None
 
 
 def build_fused_graph(model: PreTrainedModel, tensors, folder: Path, keep_precision: bool = True,
@@ -126,10 +111,6 @@ def is_tied(model: PreTrainedModel) -> bool:
     """Whether lm_head is the embedding table itself (then it is stored once)."""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     return head is not None and head.weight is embed.weight
-
-
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _stored_bytes(model, tensors, keep_precision: bool, bits: int | None,
@@ -301,7 +282,8 @@ class _Builder:
 
         cfg = self.config
         self.eps = getattr(cfg, "rms_norm_eps", 1e-6)
-        kv_heads, head_dim, layers = cfg.num_key_value_heads, _head_dim(cfg), cfg.num_hidden_layers
+        kv_heads, head_dim = cfg.num_key_value_heads, head_dim_of(cfg)
+        layers = cfg.num_hidden_layers
 
         # seqlens_k = (tokens covered after this run) - 1; total = that count, both int32
         (mask_sum,) = self.node("ReduceSum", ["attention_mask", self.weight("axis1", np.array([1]))],
@@ -332,6 +314,7 @@ class _Builder:
             attn = f"{layer}.self_attn"
             qkv = self.linear(f"l{i}.qkv", normed, f"{attn}.q_proj", f"{attn}.k_proj",
                               f"{attn}.v_proj")
+            qkv = self.qk_norm(i, qkv) if cfg.model_type in QK_NORM else [qkv, "", ""]
             context = self.attention(i, qkv, seqlens_k, total_len, cos, sin)
             x = self.linear(f"l{i}.o", context, f"{attn}.o_proj")
             normed, residual = self.skip_norm(f"l{i}.post_norm", x, residual,
@@ -467,14 +450,44 @@ class _Builder:
             weight = weight[torch.from_numpy(self.token_ids.astype(np.int64))]  # [N, hidden]
         self.matmul("lm_head", normed, weight, output="logits")
 
-    def attention(self, i: int, qkv: str, seqlens_k: str, total_len: str, cos: str,
+    def qk_norm(self, i: int, qkv: str) -> list[str]:
+        """[q, k, v] from packed q|k|v, q and k RMS-normalized head by head (Qwen3).
+
+        Qwen3Attention.forward (transformers) applies ``q_norm`` / ``k_norm``, RMSNorms over
+        head_dim with weights ``[head_dim]``, to every head of q and k and only then rotates
+        them; GroupQueryAttention rotates what it is given, so the norm comes first here:
+        ``[1, S, heads * D] -> [1, S, heads, D]``, SimplifiedLayerNormalization over the last
+        axis, back to ``[1, S, heads * D]``. The order matters: the rotation turns each pair
+        of dimensions (j, j + D/2) and leaves the RMS alone, so norm and rotation commute only
+        when the weight is equal on both dimensions of every pair, which trained weights are not.
+        """
+        cfg, head_dim = self.config, head_dim_of(self.config)
+        attn = f"model.layers.{i}.self_attn"
+        q_size = cfg.num_attention_heads * head_dim
+        kv_size = cfg.num_key_value_heads * head_dim
+        q, k, v = self.node("Split", [qkv, self.constant(
+            "qkv.split", np.array([q_size, kv_size, kv_size]))], outputs=3, axis=-1)
+        heads = self.constant("heads.shape", np.array([0, 0, -1, head_dim]))
+        joined = self.constant("joined.shape", np.array([0, 0, -1]))
+        normed = []
+        for name, x in (("q_norm", q), ("k_norm", k)):
+            (x,) = self.node("Reshape", [x, heads])  # [1, S, heads, D]
+            (x,) = self.node(
+                "SimplifiedLayerNormalization",
+                [x, self.weight(f"l{i}.{name}", self.tensors.read(f"{attn}.{name}.weight"))],
+                axis=-1, epsilon=float(self.eps))
+            normed.append(self.node("Reshape", [x, joined])[0])  # [1, S, heads * D]
+        return [*normed, v]
+
+    def attention(self, i: int, qkv: list[str], seqlens_k: str, total_len: str, cos: str,
                   sin: str) -> str:
-        """GroupQueryAttention on packed q|k|v: rotary, causal, past + new -> present."""
+        """GroupQueryAttention on [q|k|v packed, "", ""] or [q, k, v]: rotary, causal,
+        past + new -> present."""
         cfg = self.config
-        head_dim = _head_dim(cfg)
+        head_dim = head_dim_of(cfg)
         (context, _, _) = self.node(
             "GroupQueryAttention",
-            [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value",
+            [*qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value",
              seqlens_k, total_len, cos, sin],
             outputs=[f"l{i}.attn", f"present.{i}.key", f"present.{i}.value"], domain=_MS,
             num_heads=cfg.num_attention_heads, kv_num_heads=cfg.num_key_value_heads, do_rotary=1,

@@ -35,7 +35,7 @@ from edgespec.export.gguf_blocks import REPACKED, Packed, concat, repack
 from edgespec.export.tensors import TensorIndex
 
 # the general.architecture values read (llama.cpp writes Mistral models as "llama")
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "qwen3")
 PERMUTED = ("llama",)  # architectures whose q/k rows llama.cpp's converter permutes
 KEPT = ("F32", "F16", "BF16")
 _TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -92,7 +92,7 @@ def read_gguf_checkpoint(file: Path, role: str) -> GGUFCheckpoint:
     if architecture not in FAMILIES:
         raise ExportError(
             f"--{role} {file} is a GGUF of architecture {architecture}; edgespec reads GGUF "
-            f"files of {' and '.join(FAMILIES)} models (Mistral's are llama); export others "
+            f"files of {', '.join(FAMILIES)} models (Mistral's are llama); export others "
             "from their Hugging Face folder")
     if "tokenizer.ggml.tokens" not in reader.fields or "tokenizer.ggml.model" not in reader.fields:
         raise ExportError(f"--{role} {file} has no tokenizer (no tokenizer.ggml.* metadata); "
@@ -109,6 +109,7 @@ def read_gguf_checkpoint(file: Path, role: str) -> GGUFCheckpoint:
     except (ValueError, OSError, KeyError, TypeError, IndexError) as e:
         raise ExportError(f"--{role} {file}: transformers cannot read its config or tokenizer "
                           f"({e})") from None
+    config.head_dim = _head_dim(reader, architecture, config, file, role)
     if len(tokenizer) > config.vocab_size:
         raise ExportError(f"--{role} {file}: its tokenizer has {len(tokenizer)} tokens but the "
                           f"model scores {config.vocab_size}; the file's vocabulary is "
@@ -117,6 +118,20 @@ def read_gguf_checkpoint(file: Path, role: str) -> GGUFCheckpoint:
            if k in reader.fields]
     _set_special_tokens(tokenizer, reader)
     return GGUFCheckpoint(file, config, tokenizer, eos_ids=tuple(eos), architecture=architecture)
+
+
+def _head_dim(reader, architecture: str, config, file: Path, role: str) -> int:
+    """The file's head size: ``attention.key_length``, which llama.cpp's converter writes from
+    config.json's head_dim, else hidden / heads (llama.cpp's default; src/llama-model.cpp).
+    transformers' GGUF config leaves it out, and Qwen3Config's own default, 128, is Qwen3's
+    real size but not every file's."""
+    keys = [f"{architecture}.attention.{kind}_length" for kind in ("key", "value")]
+    sizes = {int(_field(reader, key)) for key in keys if key in reader.fields}
+    if len(sizes) > 1:
+        raise ExportError(f"--{role} {file}: its keys and values differ in size "
+                          f"({' and '.join(map(str, sorted(sizes)))}); edgespec's graph needs "
+                          "one head size")
+    return sizes.pop() if sizes else config.hidden_size // config.num_attention_heads
 
 
 def _reader(file: Path, role: str):

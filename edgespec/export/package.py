@@ -25,7 +25,8 @@ import edgespec
 from edgespec.config import EXPORT_DTYPES, EXPORT_GRAPHS, EXPORT_QUANTIZATIONS
 from edgespec.errors import ExportError
 from edgespec.export.destination import atomic_folder, check_destination
-from edgespec.export.fused import build_fused_graph, why_not_fused
+from edgespec.export.families import why_not_fused
+from edgespec.export.fused import build_fused_graph
 from edgespec.export.graph import describe_graph, export_graph, load_model, meta_model
 from edgespec.export.memory import usage
 from edgespec.export.onnx_io import pin_ir_version
