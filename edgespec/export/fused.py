@@ -278,10 +278,11 @@ class _Builder:
                            bits=weight.bits, block_size=weight.block_size, **level)
         if not weight.minimums:
             return out
-        (sums,) = self.node("Reshape", [x, self.constant(
-            f"blocks{weight.block_size}.shape", np.array([0, 0, -1, weight.block_size]))])
-        (sums,) = self.node("ReduceSum", [sums, self.constant("axis_last", np.array([-1]))],
-                            keepdims=0)  # [1, S, K / block]
+        # x's block sums as one MatMul with a [K, K / block] matrix of ones on its block
+        # diagonal (products by 1 and 0 are exact; one node where Reshape + ReduceSum are two)
+        size = weight.block_size
+        ones = np.kron(np.eye(k // size, dtype=np.float32), np.ones((size, 1), np.float32))
+        (sums,) = self.node("MatMul", [x, self.constant(f"block_sums.{k}x{size}", ones)])
         (offset,) = self.node("MatMul", [sums, weight.minimums])  # [1, S, N]
         (out,) = self.node("Add", [out, offset], outputs=final)
         return out
