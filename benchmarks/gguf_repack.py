@@ -5,6 +5,7 @@
 1. transformers dequantizes the file into a Hugging Face folder (the reference model);
 2. exports, each in its own process (wall time, peak resident memory, package size):
    repacked  the GGUF file itself: its blocks repacked for MatMulNBits (export/gguf.py)
+   repacked-int8  the same with --target-compute int8: int8 activations, the Q8_0 head repacked
    fp32      the dequantized folder, float32
    int4      the dequantized folder quantized again (--quantize int4), float compute
 3. over the first ``--positions`` tokens of README.md: each package's logits (one uncached run)
@@ -104,6 +105,8 @@ def main() -> None:
     dequantized = args.work / "dequantized"
     dequantize(args.gguf.resolve(), dequantized)
     runs = {"repacked": export(args.gguf, args.work / "repacked"),
+            "repacked-int8": export(args.gguf, args.work / "repacked-int8",
+                                    "--target-compute", "int8"),
             "fp32": export(dequantized, args.work / "fp32"),
             "int4": export(dequantized, args.work / "int4", "--quantize", "int4",
                            "--target-compute", "float")}
@@ -122,13 +125,13 @@ def main() -> None:
     times = step_times(targets, ids, args.steps)
     print(f"{args.gguf.name}: {len(ids)} positions of README.md against the dequantized model; "
           f"step: {args.threads} thread(s), {args.steps} one-token runs each")
-    print(f"{'':10} {'export s':>9} {'peak GB':>8} {'MB':>6} {'mean TV':>8} {'max TV':>7} "
+    print(f"{'':13} {'export s':>9} {'peak GB':>8} {'MB':>6} {'mean TV':>8} {'max TV':>7} "
           f"{'top-1':>6} {'max|dl|':>8} {'step ms':>8} {'best':>6}")
     for name, run in runs.items():
         run |= figures(targets[name], ids, reference)
         run |= {"step_ms": 1000 * float(np.median(times[name])),
                 "best_step_ms": 1000 * min(times[name])}
-        print(f"{name:10} {run['export_s']:9.1f} {run['peak_gb']:8.2f} {run['package_mb']:6.0f} "
+        print(f"{name:13} {run['export_s']:9.1f} {run['peak_gb']:8.2f} {run['package_mb']:6.0f} "
               f"{run['mean_tv']:8.5f} {run['max_tv']:7.4f} {run['top1']:6.1%} "
               f"{run['max_dlogit']:8.1e} {run['step_ms']:8.1f} {run['best_step_ms']:6.1f}")
 

@@ -185,11 +185,28 @@ def cmd_perplexity(args) -> dict:
 def llama_bench_tg(bin_dir: Path, gguf_path: str, n: int, threads: int) -> dict:
     cmd = [str(bin_dir / "llama-bench"), "-m", gguf_path, "-p", "0", "-n", str(n),
            "-t", str(threads), "-r", "1", "-o", "json"]
+    before = children_cpu_s()
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     rows = json.loads(out.stdout)
     row = [r for r in rows if r.get("n_gen") == n][0]
     return {"tokens_per_s": row["avg_ts"], "build_commit": row.get("build_commit"),
-            "build_number": row.get("build_number"), "command": " ".join(cmd)}
+            "build_number": row.get("build_number"), "command": " ".join(cmd),
+            "cpu_s": children_cpu_s() - before}
+
+
+def children_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def llama_cpu_per_token(bin_dir: Path, gguf_path: str, n: int, threads: int, tg: dict) -> float:
+    """llama-bench's CPU ms a generated token: the CPU time of its tg n run less that of a
+    tg 16 run (loading and warm-up cancel), over n - 16 tokens. On a loaded machine CPU time
+    holds where wall time does not: waiting for a core costs no CPU."""
+    short = llama_bench_tg(bin_dir, gguf_path, 16, threads)
+    return 1e3 * (tg["cpu_s"] - short["cpu_s"]) / (n - 16)
 
 
 def edgespec_generate(pipe, prompt: str, n: int) -> dict:
@@ -207,12 +224,15 @@ def edgespec_steps(pipe, n: int) -> dict:
     position 0 on (one token per pass), logits for it read back."""
     cache = pipe.target.new_cache(n + 1)
     token = np.asarray([1], dtype=np.int64)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(n):
         logits = pipe.target.forward(token, cache)
         token = np.asarray([int(logits[-1].argmax())], dtype=np.int64)
     seconds = time.perf_counter() - start
-    return {"tokens_per_s": n / seconds, "ms_per_step": 1e3 * seconds / n}
+    # the process's CPU time: with one thread all of it is the step's (spinning pool threads
+    # would count their spinning too)
+    return {"tokens_per_s": n / seconds, "ms_per_step": 1e3 * seconds / n,
+            "cpu_ms_per_step": 1e3 * (time.process_time() - cpu) / n}
 
 
 def cmd_decode(args) -> dict:
@@ -220,12 +240,18 @@ def cmd_decode(args) -> dict:
     pipes = {"spin": load_pipeline(args.pkg, args.threads, spin=True)}  # load()'s default
     if args.no_spin:
         pipes["nospin"] = load_pipeline(args.pkg, args.threads, spin=False)
+    for also in args.also:  # more packages, timed in the same turns (before/after)
+        label, _, path = also.partition("=")
+        pipes[label] = load_pipeline(path, args.threads, spin=True)
     for pipe in pipes.values():  # warm-up
         edgespec_generate(pipe, args.prompt, 16)
     turns = []
     for r in range(args.repeats):
         turn = {"load_average_start": load_average(),
                 "llamacpp_tg": llama_bench_tg(bin_dir, args.gguf, args.n, args.threads)}
+        if args.cpu:
+            turn["llamacpp_tg"]["cpu_ms_per_token"] = llama_cpu_per_token(
+                bin_dir, args.gguf, args.n, args.threads, turn["llamacpp_tg"])
         for name, pipe in pipes.items():
             turn[f"edgespec_{name}_generate"] = edgespec_generate(pipe, args.prompt, args.n)
             turn[f"edgespec_{name}_steps"] = edgespec_steps(pipe, args.n)
@@ -237,10 +263,19 @@ def cmd_decode(args) -> dict:
     ratios = {k: medians["llamacpp_tg"] / medians[k] for k in keys if k != "llamacpp_tg"}
     print("medians tokens/s: " + ", ".join(f"{k} {v:.1f}" for k, v in medians.items()))
     print("llama.cpp / edgespec: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-    return {"prompt": args.prompt, "new_tokens": args.n, "threads": args.threads,
-            "repeats": args.repeats, "median_tokens_per_s": medians,
-            "llamacpp_over_edgespec": ratios, "turns": turns,
-            "goal": "edgespec step no slower than llama.cpp's x 1.1 (ratio >= 1/1.1 = 0.909)"}
+    record = {"prompt": args.prompt, "new_tokens": args.n, "threads": args.threads,
+              "repeats": args.repeats, "median_tokens_per_s": medians,
+              "llamacpp_over_edgespec": ratios, "turns": turns,
+              "goal": "edgespec step no slower than llama.cpp's x 1.1 (ratio >= 1/1.1 = 0.909)"}
+    if args.cpu:  # CPU ms a token: edgespec's step over llama.cpp's (goal <= 1.1)
+        llama = statistics.median(t["llamacpp_tg"]["cpu_ms_per_token"] for t in turns)
+        cpu = {k: statistics.median(t[k]["cpu_ms_per_step"] for t in turns)
+               for k in keys if k.endswith("_steps")}
+        record["median_cpu_ms_per_token"] = {"llamacpp_tg": llama, **cpu}
+        record["edgespec_over_llamacpp_cpu"] = {k: v / llama for k, v in cpu.items()}
+        print(f"CPU ms a token: llama.cpp {llama:.2f}; " + ", ".join(
+            f"{k} {v:.2f} ({v / llama:.2f}x)" for k, v in cpu.items()))
+    return record
 
 
 # ----------------------------------------------------------------------------- lookup
@@ -442,6 +477,10 @@ def main() -> None:
             p.add_argument("--repeats", type=int, default=5)
             p.add_argument("--no-spin", action="store_true",
                            help="also time a session whose workers do not spin")
+            p.add_argument("--also", action="append", default=[], metavar="LABEL=PKG",
+                           help="another package timed in the same turns (repeatable)")
+            p.add_argument("--cpu", action="store_true",
+                           help="also CPU time a token (one thread: holds on a loaded machine)")
         else:
             p.add_argument("--prompts", default="edgespec/bench_prompts.jsonl")
             p.add_argument("-n", type=int, default=128)

@@ -313,9 +313,23 @@ def test_exports_equal_the_dequantized_model_at_fp32s_gate(packages, name):
     assert weights["tensors"].get("dequantized") == dequantized
     if name == "llama":
         assert weights["tensors"]["kept"]["F16"] == 1
+        _assert_one_transposed_table(packages[name] / "target" / "model.onnx")
     if name == "qwen3":  # the head size from attention.key_length; the norms read as stored
         assert manifest.target.head_dim == 32 and weights["tensors"]["kept"]["F32"] == 9
     assert manifest.source["target"].endswith(".gguf")
+
+
+def _assert_one_transposed_table(path: Path) -> None:
+    """A tied float table is stored once, [H, V]: the output layer's MatMul weight, whose
+    columns the embedding's Gather reads (the numbers: the fp32 gate above)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    (head,) = [n for n in graph.node if "logits" in n.output]
+    assert head.op_type == "MatMul"
+    (gather,) = [n for n in graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
+    assert gather.input[0] == head.input[1]
+    assert [a.i for a in gather.attribute if a.name == "axis"] == [1]
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "llama_q4_0", "llama_k", "qwen3"])
@@ -349,6 +363,38 @@ def test_a_gguf_pair_quantized_draft_is_exact(files, tmp_path):
     baseline = pipe.generate(prompt, max_new_tokens=24, drafter="none").token_ids
     result = pipe.generate(prompt, max_new_tokens=24, draft_length=3, schedule="fixed")
     assert result.token_ids == baseline and result.stats.drafted > 0
+
+
+def test_a_gguf_target_fixed_to_int8_compute_repacks_its_8_bit_blocks(files, tmp_path):
+    """target_compute int8 (the user's choice, which the manifest states): the Q8_0 tied table
+    and o_proj become 8-bit MatMulNBits (the table also gathered from those blocks), not fp32;
+    checked against the dequantized model in float compute at fp32's gate, and greedy output
+    with n-gram drafting is target-only output (runs of >= 2 tokens, rows bit-identical).
+    Rejects a Q8_0 repack one step off (q + 127): the fp32 gate fails the export."""
+    import onnx
+
+    manifest = export_pair(files["llama"], None, tmp_path / "p", target_compute="int8")
+    target = manifest.target
+    assert target.compute == "int8" and target.min_run_tokens == 2
+    weights = target.validation["gguf"]
+    assert weights["tensors"]["repacked"] == {"Q4_0": 4, "Q4_1": 7, "Q8_0": 3}
+    assert "dequantized" not in weights["tensors"]
+    check = weights["repack_check"]  # in float compute, at fp32's gate
+    assert check["max_abs_diff_no_cache"] <= check["tolerance"] and check["mean_tv"] < 1e-4
+    graph = onnx.load(str(tmp_path / "p" / "target" / "model.onnx"),
+                      load_external_data=False).graph
+    (head,) = [n for n in graph.node if "logits" in n.output]
+    attrs = {a.name: a.i for a in head.attribute}
+    assert head.op_type == "MatMulNBits" and attrs["bits"] == 8 and attrs["accuracy_level"] == 4
+    pipe = edgespec.load(tmp_path / "p")
+    drafted = 0
+    for prompt in ("def add(a, b):\n    return a + b\ndef add(a, b):\n", "a b a b a b a b"):
+        baseline = pipe.generate(prompt, max_new_tokens=24, drafter="none").token_ids
+        result = pipe.generate(prompt, max_new_tokens=24, draft_length=4, schedule="fixed",
+                               drafter="ngram")
+        assert result.token_ids == baseline
+        drafted += result.stats.drafted
+    assert drafted > 0
 
 
 def test_quantize_applies_to_the_weights_that_were_not_repacked(files, tmp_path):

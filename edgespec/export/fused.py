@@ -86,8 +86,8 @@ def build_fused_graph(model: PreTrainedModel, tensors, folder: Path, keep_precis
     folder.mkdir(parents=True)
     tied = is_tied(model)
     # the int4 table is shared whenever it is one (not when the output scores a subset);
-    # float graphs read a tied table transposed from the embedding (Gemm), except float32
-    # graphs bound for fp16 conversion, whose output layer keeps a MatMul of its own
+    # float graphs store a tied table once, transposed for the output layer's MatMul, except
+    # float32 graphs bound for fp16 conversion, whose output layer keeps a MatMul of its own
     if bits:
         tie = tied and token_ids is None and bits == 4
     else:
@@ -259,10 +259,11 @@ class _Builder:
                            bits=weight.bits, block_size=weight.block_size, **level)
         if not weight.minimums:
             return out
-        (sums,) = self.node("Reshape", [x, self.constant(
-            f"blocks{weight.block_size}.shape", np.array([0, 0, -1, weight.block_size]))])
-        (sums,) = self.node("ReduceSum", [sums, self.constant("axis_last", np.array([-1]))],
-                            keepdims=0)  # [1, S, K / block]
+        # x's block sums as one MatMul with a [K, K / block] matrix of ones on its block
+        # diagonal (products by 1 and 0 are exact; one node where Reshape + ReduceSum are two)
+        size = weight.block_size
+        ones = np.kron(np.eye(k // size, dtype=np.float32), np.ones((size, 1), np.float32))
+        (sums,) = self.node("MatMul", [x, self.constant(f"block_sums.{k}x{size}", ones)])
         (offset,) = self.node("MatMul", [sums, weight.minimums])  # [1, S, N]
         (out,) = self.node("Add", [out, offset], outputs=final)
         return out
@@ -372,9 +373,16 @@ class _Builder:
             (x,) = self.node("GatherBlockQuantized", [data, "input_ids", scales], domain=_MS,
                              block_size=QUANT_BLOCK_SIZE, gather_axis=0, quantize_axis=1)
             return x, tied  # bits: the default, 4 (onnxruntime < 1.23 refuses the attribute)
-        embed = self.weight("embed", table)
-        (x,) = self.node("Gather", [embed, "input_ids"])
-        return x, (embed,) if self.tie else ()
+        if not self.tie:
+            (x,) = self.node("Gather", [self.weight("embed", table), "input_ids"])
+            return x, ()
+        # tied: stored once as the output layer's MatMul weight [H, V] (onnxruntime's MatMul
+        # over a constant [K, N] is faster for one row than Gemm reading [N, K] transposed), and
+        # the lookup gathers its columns: [H, V] -> [H, 1, S] -> [1, S, H], the same numbers
+        embed = self.weight("embed_t", table.T)
+        (columns,) = self.node("Gather", [embed, "input_ids"], axis=1)
+        (x,) = self.node("Transpose", [columns], perm=[1, 2, 0])
+        return x, (embed,)
 
     def packed_embedding(self, packed) -> tuple[str, _NBits | tuple]:
         """The Gather of a source's blocks ``[V, H]``, stored once for a tied output layer too.
@@ -425,17 +433,14 @@ class _Builder:
 
     def lm_head(self, normed: str, tied: _NBits | tuple[str, ...]) -> None:
         """logits = normed @ W^T. A tied W is the embedding's stored table: in int4 the same
-        MatMulNBits bytes, in float the table read transposed by Gemm. With token_ids, W is
+        MatMulNBits bytes, in float the table stored transposed ([H, V]). With token_ids, W is
         the rows of those tokens only."""
         hidden, vocab = self.config.hidden_size, self.config.vocab_size
         if isinstance(tied, _NBits):  # the embedding's blocks
             self.matmul_nbits(normed, tied, vocab, hidden, outputs=["logits"])
             return
-        if tied:
-            (rows,) = self.node("Reshape", [normed, self.weight("rows", np.array([-1, hidden]))])
-            (flat,) = self.node("Gemm", [rows, tied[0]], transB=1)  # [n, V]
-            self.node("Reshape", [flat, self.weight("logits_shape", np.array([1, -1, vocab]))],
-                      outputs=["logits"])
+        if tied:  # the embedding's table, stored transposed: [H, V]
+            self.node("MatMul", [normed, tied[0]], outputs=["logits"])
             return
         name = EMBED if is_tied(self.model) else HEAD
         packed = self.packed([name])

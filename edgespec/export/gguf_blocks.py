@@ -9,7 +9,8 @@
     Q6_K  w = d sc (q - 32)    8 bits, block 16 (its sub-blocks), q + 96, zero point 128
 
 8-bit blocks are handed over only to graphs whose MatMuls compute with int8 activations (a
-draft): in float compute they are read as floats (fused.py says why), the same numbers.
+quantized draft, or a target whose compute the user fixed to int8): in float compute they are
+read as floats (fused.py says why), the same numbers.
 
 A block with a minimum is computed as llama.cpp computes it: x . w = d (x . q) + m sum(x), the
 MatMulNBits with zero point 0 plus the block sums of x times the minimums (a float MatMul of

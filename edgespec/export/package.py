@@ -192,9 +192,15 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
                           f"{reason or 'optimum was asked for'}; export without draft_vocab")
     ids = validation_ids(ckpt.tokenizer, ckpt.vocab_size,
                          min(VALIDATION_LENGTH, ckpt.max_positions))
+    # int8 activations where the graph will compute with them: a quantized draft's, and a
+    # target's whose compute was fixed to int8 (the user's choice, stated in the manifest);
+    # a GGUF file's 8-bit blocks (Q8_0, Q6_K) are repacked only for those (fused.py says why)
+    int8_compute = (role == "draft" and variant in EXPORT_QUANTIZATIONS
+                    or role == "target" and target_compute == "int8")
     write = _write_fused if graph == "fused" else _write_optimum
     stored, about, expected, reference = write(ckpt, folder, role, variant, token_ids,
-                                               ids if validation != "skip" else None, report)
+                                               ids if validation != "skip" else None, report,
+                                               int8_compute)
     if token_ids is not None and expected is not None:
         expected = expected[:, token_ids]  # the columns the graph scores
     weights = about.pop("gguf", None)  # a GGUF file's tensors: repacked, kept, dequantized
@@ -265,7 +271,8 @@ def _check_repacked(expected: np.ndarray, ids: np.ndarray, root: Path, spec, max
 
 
 def _write_fused(ckpt: Checkpoint, folder: Path, role: str, variant: str,
-                 token_ids: np.ndarray | None, ids: np.ndarray | None, report: "_Steps"):
+                 token_ids: np.ndarray | None, ids: np.ndarray | None, report: "_Steps",
+                 int8_compute: bool = False):
     """Write the fused graph in its final precision; (stored types, about, reference logits,
     how they were computed).
 
@@ -285,7 +292,7 @@ def _write_fused(ckpt: Checkpoint, folder: Path, role: str, variant: str,
     report.detail(f"writing the fused graph ({variant}, "
                   f"{'one tensor at a time' if loaded is None else 'from the loaded model'})")
     stored = build_fused_graph(model, tensors, folder, keep_precision=variant != "fp16",
-                               bits=bits, int8_compute=bool(bits) and role == "draft",
+                               bits=bits, int8_compute=int8_compute,
                                token_ids=token_ids, progress=report.detail)
     about = {"architecture": ckpt.config.model_type,
              "parameters": sum(p.numel() for p in model.parameters())}
@@ -325,7 +332,8 @@ def _gguf_weights(tensors: GGUFTensors, bits: int | None) -> dict:
 
 
 def _write_optimum(ckpt: Checkpoint, folder: Path, role: str, variant: str,
-                   token_ids: np.ndarray | None, ids: np.ndarray | None, report: "_Steps"):
+                   token_ids: np.ndarray | None, ids: np.ndarray | None, report: "_Steps",
+                   int8_compute: bool = False):
     """Export optimum's graph from the loaded model, then shrink it; as ``_write_fused``."""
     model = load_model(ckpt.path)
     report.detail("writing the optimum graph")
@@ -346,7 +354,7 @@ def _write_optimum(ckpt: Checkpoint, folder: Path, role: str, variant: str,
         return {}, about, expected, reference
     if variant in EXPORT_QUANTIZATIONS:
         report.detail(f"quantizing the weights to {variant}")
-        quantize_weights(folder, bits=int(variant[3:]), int8_compute=role == "draft")
+        quantize_weights(folder, bits=int(variant[3:]), int8_compute=int8_compute)
     return store_exact_halves(folder), about, expected, reference  # what stayed float
 
 
