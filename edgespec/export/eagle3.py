@@ -131,9 +131,9 @@ def read_head_config(folder: Path, target_config) -> HeadConfig:
     if problems:
         raise ExportError(f"{folder} is not an EAGLE-3 head for this target: "
                           + "; ".join(problems))
-    rope = {k: raw[k] for k in ("rope_theta", "rope_scaling", "max_position_embeddings")
-            if raw.get(k) is not None}
-    rope.setdefault("max_position_embeddings", target_config.max_position_embeddings)
+    # the head runs at the target's positions: its rotary table covers the target's window
+    rope = {k: raw[k] for k in ("rope_theta", "rope_scaling") if raw.get(k) is not None}
+    rope["max_position_embeddings"] = target_config.max_position_embeddings
     return HeadConfig(
         path=folder, hidden=hidden, heads=heads,
         kv_heads=raw.get("num_key_value_heads") or heads,
@@ -271,6 +271,11 @@ class Eagle3Head(nn.Module):
               "v": "midlayer.self_attn.v_proj", "o": "midlayer.self_attn.o_proj",
               "gate": "midlayer.mlp.gate_proj", "up": "midlayer.mlp.up_proj",
               "down": "midlayer.mlp.down_proj", "lm_head": "lm_head"}
+
+    @classmethod
+    def weight_names(cls) -> list[str]:
+        """The checkpoint names of the head's matrices and norms (d2t and t2d aside)."""
+        return [f"{name}.weight" for name in cls._NAMES.values()]
 
     @classmethod
     def load(cls, config: HeadConfig, tensors: HeadTensors, embedding: torch.Tensor

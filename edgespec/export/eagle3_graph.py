@@ -32,8 +32,9 @@ from edgespec.export.eagle3 import Eagle3Head, HeadConfig, HeadTensors
 from edgespec.export.fused import _MS, _OPSET, EAGLE_FEATURES, EMBED, _Builder
 from edgespec.export.onnx_io import EXTERNAL_ABOVE, WeightStore, write_graph
 from edgespec.export.precision import QUANT_BLOCK_SIZE
+from edgespec.manifest import ModelSpec
+from edgespec.runtime.session import HIDDEN_OUT
 
-HIDDEN_OUT = "hidden_out"
 HEAD_TOLERANCE = 1e-3  # max |logit difference| of a float32 head graph against PyTorch
 
 
@@ -163,6 +164,69 @@ def build_head_graph(config: HeadConfig, head: HeadTensors, target_tensors, fold
     return store.counts
 
 
+def export_head(config: HeadConfig, target_tensors, root: Path, variant: str, validation: str,
+                detail) -> ModelSpec:
+    """The head's graph in ``root``/draft, its target ids, and its ModelSpec (architecture
+    "eagle3", ``token_ids``: the target id of each logits column, as a subset draft's).
+
+    Validated (unless ``validation`` is "skip") on the target graph's own eagle_features for
+    the validation text (root/target, written first) against the PyTorch reference: a float
+    head within HEAD_TOLERANCE ("strict" refuses more, "report" records it); a quantized one
+    is recorded (its logits move with its weights).
+    """
+    from dataclasses import replace
+
+    from edgespec.export.graph import describe_graph
+    from edgespec.export.vocab import TOKEN_IDS_NAME
+
+    tensors = HeadTensors(config)
+    ids = tensors.target_ids(config)
+    if (np.diff(ids) <= 0).any():
+        raise ExportError(f"{config.path}: d2t's target ids are not ascending; edgespec reads "
+                          "heads whose draft vocabulary keeps the target's order")
+    bits = int(variant[3:]) if variant in ("int4", "int8") else None
+    folder = root / "draft"
+    detail(f"writing the EAGLE-3 head's graph ({variant}; draft vocabulary "
+           f"{config.draft_vocab:,} of {config.vocab:,})")
+    stored = build_head_graph(config, tensors, target_tensors, folder, bits)
+    np.save(folder / TOKEN_IDS_NAME, ids)
+    parameters = sum(int(np.prod(tensors.shape(n))) for n in Eagle3Head.weight_names())
+    spec = replace(describe_graph(folder, root, "eagle3", parameters), graph="fused",
+                   stored=dict(stored), quantization=variant if bits else None,
+                   token_ids=f"draft/{TOKEN_IDS_NAME}")
+    if validation == "skip":
+        return replace(spec, validation={"variant": variant, "skipped": True})
+    sample = np.random.default_rng(0).integers(0, config.vocab, 24)
+    features = target_features(root / "target" / "model.onnx", sample)
+    reference = Eagle3Head.load(config, tensors, target_tensors.read(EMBED))
+    tolerance = HEAD_TOLERANCE if bits is None else float("inf")
+    try:
+        figures = validate_head(folder / "model.onnx", reference, sample, features, tolerance)
+        failures = []
+    except ExportError as e:
+        if validation == "strict":
+            raise
+        figures, failures = {}, [str(e)]
+    detail(f"head against PyTorch: {figures or failures}")
+    return replace(spec, validation={"variant": variant, **figures, "failures": failures,
+                                     "reference": "PyTorch (export/eagle3.py) on the target "
+                                                  "graph's eagle_features"})
+
+
+def target_features(path: Path, ids: np.ndarray) -> np.ndarray:
+    """A fused target graph's eagle_features ``[s, h]`` for ``ids`` ``[s]`` (one run)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": ids[None].astype(np.int64),
+             "attention_mask": np.ones((1, len(ids)), np.int64)}
+    for arg in session.get_inputs():
+        if arg.name.startswith("past_key_values."):
+            feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
+    (features,) = session.run([EAGLE_FEATURES], feeds)
+    return features[0]
+
+
 def head_run(session, ids: np.ndarray, features: np.ndarray, past: tuple[np.ndarray, np.ndarray]
              ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """One plain onnxruntime run of a head graph (no IO binding): ids ``[s]``, features
@@ -194,9 +258,11 @@ def validate_head(path: Path, reference: Eagle3Head, ids: np.ndarray, features: 
     logits, hidden = np.concatenate([first[0], second[0]]), np.concatenate([first[1], second[1]])
     expected = reference(torch.from_numpy(ids)[None], torch.from_numpy(features)[None],
                          torch.arange(len(ids))[None])
-    figures = {"max_abs_logits": float(np.abs(logits - expected[0][0].numpy()).max()),
-               "max_abs_hidden": float(np.abs(hidden - expected[1][0].numpy()).max())}
-    if max(figures.values()) > tolerance:
+    reference_logits = expected[0][0].numpy()
+    figures = {"max_abs_logits": float(np.abs(logits - reference_logits).max()),
+               "max_abs_hidden": float(np.abs(hidden - expected[1][0].numpy()).max()),
+               "top1_agreement": float((logits.argmax(-1) == reference_logits.argmax(-1)).mean())}
+    if max(figures["max_abs_logits"], figures["max_abs_hidden"]) > tolerance:
         raise ExportError(f"{path}: the head graph differs from PyTorch by {figures} (tolerance "
                           f"{tolerance}); please report it")
     return figures

@@ -45,10 +45,10 @@ from edgespec.errors import ExportError
 from edgespec.export.memory import trim
 from edgespec.export.onnx_io import EXTERNAL_ABOVE, WeightStore, write_graph
 from edgespec.export.precision import INT8_COMPUTE, QUANT_BLOCK_SIZE, quantize_blocks
+from edgespec.runtime.session import FEATURES as EAGLE_FEATURES  # an EAGLE-3 head's input
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"  # the checkpoint's names
-EAGLE_FEATURES = "eagle_features"  # the output an EAGLE-3 head reads (export/eagle3.py)
 _MS = "com.microsoft"
 _OPSET = 17
 
