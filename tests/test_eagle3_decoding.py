@@ -28,7 +28,8 @@ AUX = (0, 1, 1)  # two-layer targets: the default (2, L // 2, L - 3) needs six l
 @pytest.fixture(scope="module")
 def eagle(checkpoints, tmp_path_factory):
     """Packages of a target and a random EAGLE-3 head: the BPE Llama (a head scoring 300 of
-    its 400 tokens) and the 8-word one (6 of 8: q = 0 on two tokens); with the head folders."""
+    its 400 tokens; fp32 and int4) and the 8-word one (6 of 8: q = 0 on two tokens); with the
+    head folders."""
     from transformers import AutoConfig
 
     from edgespec.export import export_pair
@@ -36,12 +37,14 @@ def eagle(checkpoints, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("eagle3")
     made = {}
-    for name, target, vocab, init in (("llama", "llama_target", 300, 0.05),
-                                      ("words", "words_target_fused", 6, 0.3)):
+    for name, target, vocab, init, quantize in (
+            ("llama", "llama_target", 300, 0.05, None),
+            ("words", "words_target_fused", 6, 0.3, None),
+            ("llama_int4", "llama_target", 300, 0.05, "int4")):  # target and head int4
         config = AutoConfig.from_pretrained(checkpoints[target])
         head = write_random_head(root / f"{name}_head", config, draft_vocab=vocab, seed=5,
                                  aux_layers=AUX, init=init)
-        export_pair(checkpoints[target], head, root / name)
+        export_pair(checkpoints[target], head, root / name, quantize=quantize)
         made[name] = (edgespec.load(root / name), head, checkpoints[target])
     return made
 
@@ -119,10 +122,10 @@ def test_after_verification_the_head_reruns_the_committed_rows_on_target_feature
     np.testing.assert_allclose(q.dense(pipe.manifest.vocab_size), expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["llama", "words"])
+@pytest.mark.parametrize("name", ["llama", "words", "llama_int4"])
 def test_greedy_with_a_head_equals_target_only(eagle, name):
     pipe = eagle[name][0]
-    prompts = PROMPTS if name == "llama" else ["a b c", "g f e d", "b"]
+    prompts = ["a b c", "g f e d", "b"] if name == "words" else PROMPTS
     drafted = accepted = 0
     for prompt in prompts:
         baseline = pipe.generate(prompt, max_new_tokens=40, drafter="none", ignore_eos=True)
@@ -163,3 +166,39 @@ def test_the_distribution_check_rejects_accepting_without_the_ratio(eagle, monke
     pipe = eagle["words"][0]
     samples, _, _ = two_token_samples(pipe, T1, 1500, PROMPT)
     assert fit_pvalue(samples, exact_two_token_distribution(pipe, T1, PROMPT)) < 1e-6
+
+
+def test_the_adaptive_schedule_times_the_head_and_stays_exact(eagle):
+    pipe = eagle["llama"][0]
+    baseline = pipe.generate(PROMPTS[0], max_new_tokens=30, drafter="none")
+    result = pipe.generate(PROMPTS[0], max_new_tokens=30, draft_length=4, schedule="adaptive")
+    assert result.token_ids == baseline.token_ids
+    assert pipe.step_costs(4).draft_step_ms > 0
+
+
+def test_export_refuses_a_malformed_head_and_an_optimum_target(checkpoints, eagle, tmp_path):
+    """One error naming the fault: d2t out of the target's range, or a target graph (optimum's)
+    without the head's input."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from edgespec.errors import ExportError
+    from edgespec.export import export_pair
+
+    head = eagle["llama"][1]
+    with pytest.raises(ExportError, match="only edgespec's fused target graph"):
+        export_pair(checkpoints["llama_target"], head, tmp_path / "optimum", graph="optimum")
+    broken = tmp_path / "broken"
+    shutil.copytree(head, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    weights["d2t"] = weights["d2t"] + 10_000
+    save_file(weights, str(broken / "model.safetensors"))
+    with pytest.raises(ExportError, match="d2t maps draft ids outside"):
+        export_pair(checkpoints["llama_target"], broken, tmp_path / "bad")
+    config = json.loads((head / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+    with pytest.raises(ExportError, match="hidden_size 32 is not the target's 64"):
+        export_pair(checkpoints["llama_target"], broken, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "optimum").exists()
