@@ -62,6 +62,8 @@ class _HeadBuilder(_Builder):
 
     def __init__(self, config: HeadConfig, tensors: _HeadTensors, store: WeightStore,
                  bits: int | None):
+        # the fields the inherited helpers read, set here: _Builder's own __init__ wants a
+        # transformers model, which a head is not (no tying, no rotary module, no layers)
         self.head_config = config
         self.config = config.llama_config()
         self.model = None

@@ -206,7 +206,7 @@ class Eagle3Drafter(Drafter):
             tokens = tokens_from(committed, drafted, n - 1)
             features = self.hidden[1][None]
         logits, hidden = self.session.forward_rows(np.array(tokens), self.cache, features)
-        self.hidden = (row, hidden[-1])
+        self.hidden = (row, hidden[-1].copy())  # not a view of a buffer the next run may reuse
         middle = time.perf_counter()
         q = process_row(logits[-1], sampling).relabel(self.session.token_ids)
         self.stats.draft_s += middle - start
