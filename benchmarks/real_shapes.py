@@ -842,14 +842,17 @@ def make_head(target: Path, out: Path, draft_vocab: int) -> Path:
     return out
 
 
-def eagle_steps(package: Path, context: int, steps: int) -> dict:
+def eagle_steps(package: Path, context: int, steps: int, threads: int = 0) -> dict:
     """Median ms of one-token runs after ``context`` tokens: the target's, and the draft's
-    (a head's with a row of features, as the chain runs it)."""
+    (a head's with a row of features, as the chain runs it). ``threads``: each session's
+    (0: onnxruntime's default, every core)."""
     import numpy as np
 
     import edgespec
+    from edgespec.runtime.providers import SessionConfig
 
-    pipe = edgespec.load(package, calibration_cache=False)
+    config = SessionConfig("cpu", threads=threads)
+    pipe = edgespec.load(package, target=config, draft=config, calibration_cache=False)
     ids = np.random.default_rng(0).integers(0, pipe.manifest.vocab_size, context + steps + 1)
     result = {}
     for role, session in (("target", pipe.target), ("draft", pipe.draft)):
@@ -884,9 +887,11 @@ def eagle_command(args) -> None:
         if child.returncode:
             raise failed("making the head", child, logs / "head.log")
     drafts = {"eagle3": head, **({args.draft: checkpoints[args.draft]} if args.draft else {})}
-    results = {"uptime": os.getloadavg(), "context": args.context, "steps": args.steps}
+    results = {"uptime": os.getloadavg(), "context": args.context, "steps": args.steps,
+               "threads": args.threads}
+    packages = {name: out / "packages" / f"{args.target}+{name}-int4" for name in drafts}
     for name, draft in drafts.items():
-        package = out / "packages" / f"{args.target}+{name}-int4"
+        package = packages[name]
         if not (package / "edgespec.json").is_file():
             command = [sys.executable, "-m", "edgespec", "export", "--target",
                        str(checkpoints[args.target]), "--draft", str(draft), "--out", str(package),
@@ -894,15 +899,18 @@ def eagle_command(args) -> None:
             child = run_child(command, logs / f"export-{name}.log")
             if child.returncode:
                 raise failed(f"exporting {name}", child, logs / f"export-{name}.log")
-        rows = []
-        for _ in range(args.repeats):
+    runs: dict[str, list] = {name: [] for name in drafts}
+    for _ in range(args.repeats):  # interleaved: the machine's load drifts over both alike
+        for name, package in packages.items():
             json_out = logs / f"steps-{name}.json"
             child = run_child([sys.executable, __file__, "eagle-steps", str(package),
                                "--context", str(args.context), "--steps", str(args.steps),
-                               "--json", str(json_out)], logs / f"steps-{name}.log")
+                               "--threads", str(args.threads), "--json", str(json_out)],
+                              logs / f"steps-{name}.log")
             if child.returncode:
                 raise failed(f"timing {name}", child, logs / f"steps-{name}.log")
-            rows.append(json.loads(json_out.read_text()))
+            runs[name].append(json.loads(json_out.read_text()))
+    for name, rows in runs.items():
         target = statistics.median(r["target_step_ms"] for r in rows)
         draft_ms = statistics.median(r["draft_step_ms"] for r in rows)
         results[name] = {"target_step_ms": target, "draft_step_ms": draft_ms,
@@ -911,7 +919,7 @@ def eagle_command(args) -> None:
         print(f"{args.target} int4 + {name}: target step {target:.1f} ms, draft step "
               f"{draft_ms:.1f} ms, c = {draft_ms / target:.3f}", flush=True)
     results["uptime_after"] = os.getloadavg()
-    (out / f"eagle-{args.target}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / f"eagle-{args.target}-threads{args.threads}.json").write_text(json.dumps(results, indent=2) + "\n")
 
 
 def measure_command(args) -> None:
@@ -970,6 +978,7 @@ def main(argv: list[str]) -> None:
     eagle.add_argument("--repeats", type=int, default=3, help="a fresh child each")
     eagle.add_argument("--steps", type=int, default=20)
     eagle.add_argument("--context", type=int, default=256)
+    eagle.add_argument("--threads", type=int, default=0, help="per session (0: every core)")
     head = sub.add_parser("make-head", help="write a random EAGLE-3 head (a child of eagle)")
     head.add_argument("target", type=Path)
     head.add_argument("out", type=Path)
@@ -978,6 +987,7 @@ def main(argv: list[str]) -> None:
     steps.add_argument("package", type=Path)
     steps.add_argument("--context", type=int, default=256)
     steps.add_argument("--steps", type=int, default=20)
+    steps.add_argument("--threads", type=int, default=0)
     steps.add_argument("--json", type=Path, required=True)
 
     args = parser.parse_args(argv)
@@ -986,7 +996,8 @@ def main(argv: list[str]) -> None:
     elif args.command == "make-head":
         print(make_head(args.target, args.out, args.draft_vocab))
     elif args.command == "eagle-steps":
-        args.json.write_text(json.dumps(eagle_steps(args.package, args.context, args.steps)))
+        args.json.write_text(json.dumps(eagle_steps(args.package, args.context, args.steps,
+                                                    args.threads)))
     elif args.command == "eagle":
         eagle_command(args)
     elif args.command == "measure":
