@@ -70,6 +70,10 @@ class FakeSession:
         cache.length += len(tokens)
         return self.rows[start : start + len(tokens)].copy()  # fresh, as onnxruntime's output
 
+    def forward_rows(self, tokens: np.ndarray, cache: FakeCache, features=None):
+        """ModelSession's: (logits, None), a graph without feature rows (TargetRunner's call)."""
+        return self.forward(tokens, cache), None
+
 
 def make_rows(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
     rows = (rng.standard_normal((n, vocab), dtype=np.float32) * 3).astype(np.float32)
