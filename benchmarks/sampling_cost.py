@@ -59,6 +59,8 @@ class FakeCache:
 class FakeSession:
     """Logits by position: ``rows[j]`` follows the j-th token after the context."""
 
+    token_ids = None  # scores the whole vocabulary (ModelDrafter reads it)
+
     def __init__(self, rows: np.ndarray):
         self.rows = rows  # [k+1, V] float32
 
@@ -89,8 +91,8 @@ def fast_round(draft_rows, target_rows, k, sampling, seed) -> tuple[float, int]:
     stats = GenerationStats(speculative=True)
     draft = ModelDrafter(FakeSession(draft_rows), stats)
     uniforms = PositionUniforms(seed, first=CONTEXT)
-    new = speculative_round(target, draft, committed, k, sampling, uniforms, stats)
-    return stats.sampling_s, len(new)
+    done = speculative_round(target, draft, committed, k, sampling, uniforms, stats)
+    return stats.sampling_s, len(done.tokens)
 
 
 def reference_round(draft_rows, target_rows, k, sampling, seed) -> tuple[float, int]:
