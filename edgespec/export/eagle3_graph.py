@@ -61,14 +61,14 @@ class _HeadBuilder(_Builder):
     """The fused builder's helpers, writing the head's one layer."""
 
     def __init__(self, config: HeadConfig, tensors: _HeadTensors, store: WeightStore,
-                 bits: int | None):
+                 bits: int | None, int8_compute: bool):
         # the fields the inherited helpers read, set here: _Builder's own __init__ wants a
         # transformers model, which a head is not (no tying, no rotary module, no layers)
         self.head_config = config
         self.config = config.llama_config()
         self.model = None
         self.tensors, self.store = tensors, store
-        self.tie, self.bits, self.int8_compute = False, bits, False
+        self.tie, self.bits, self.int8_compute = False, bits, int8_compute
         self.token_ids, self.eagle_fc = None, None
         self.progress = lambda line: None
         self.nodes, self.constants = [], set()
@@ -143,11 +143,13 @@ class _HeadBuilder(_Builder):
 
 
 def build_head_graph(config: HeadConfig, head: HeadTensors, target_tensors, folder: Path,
-                     bits: int | None = None) -> dict:
+                     bits: int | None = None, int8_compute: bool = False) -> dict:
     """Write folder/model.onnx for an EAGLE-3 head; the graph computes in float32.
 
     target_tensors: the target's weights (export/tensors.py): its embedding table is read.
-    bits: 4 or 8 quantizes every MatMul (and in int4 the embedding) as the fused builder does.
+    bits: 4 or 8 quantizes every MatMul (and in int4 the embedding) as the fused builder does;
+    int8_compute: those MatMuls compute with int8 activations (as a quantized draft's do: its
+    precision moves only acceptance, never the output).
     Returns the number of float weights per stored type.
     """
     if config.head_dim % 16:
@@ -161,7 +163,7 @@ def build_head_graph(config: HeadConfig, head: HeadTensors, target_tensors, fold
     table = int(np.prod(target_tensors.shape(EMBED))) * 4
     external = head.nbytes + table > EXTERNAL_ABOVE
     with WeightStore(folder, external=external, keep_precision=True) as store:
-        graph = _HeadBuilder(config, tensors, store, bits).build()
+        graph = _HeadBuilder(config, tensors, store, bits, int8_compute).build()
     write_graph(graph, folder, [("", _OPSET), (_MS, 1)])
     return store.counts
 
@@ -190,11 +192,13 @@ def export_head(config: HeadConfig, target_tensors, root: Path, variant: str, va
     folder = root / "draft"
     detail(f"writing the EAGLE-3 head's graph ({variant}; draft vocabulary "
            f"{config.draft_vocab:,} of {config.vocab:,})")
-    stored = build_head_graph(config, tensors, target_tensors, folder, bits)
+    stored = build_head_graph(config, tensors, target_tensors, folder, bits,
+                              int8_compute=bits is not None)
     np.save(folder / TOKEN_IDS_NAME, ids)
     parameters = sum(int(np.prod(tensors.shape(n))) for n in Eagle3Head.weight_names())
     spec = replace(describe_graph(folder, root, "eagle3", parameters), graph="fused",
                    stored=dict(stored), quantization=variant if bits else None,
+                   compute="int8" if bits else "float",
                    token_ids=f"draft/{TOKEN_IDS_NAME}")
     if validation == "skip":
         return replace(spec, validation={"variant": variant, "skipped": True})
