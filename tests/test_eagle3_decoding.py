@@ -202,3 +202,12 @@ def test_export_refuses_a_malformed_head_and_an_optimum_target(checkpoints, eagl
     with pytest.raises(ExportError, match="hidden_size 32 is not the target's 64"):
         export_pair(checkpoints["llama_target"], broken, tmp_path / "bad")
     assert not (tmp_path / "bad").exists() and not (tmp_path / "optimum").exists()
+
+
+def test_the_package_says_its_draft_is_a_head(eagle):
+    from edgespec.models import describe_package
+
+    pipe = eagle["llama_int4"][0]
+    assert pipe.manifest.draft.architecture == "eagle3"
+    assert pipe.manifest.draft.compute == "int8"  # quantized as drafts are
+    assert "draft an EAGLE-3 head, 1 layers" in describe_package("p", pipe.path)[1]
