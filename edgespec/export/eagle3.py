@@ -123,6 +123,8 @@ def read_head_config(folder: Path, target_config) -> HeadConfig:
         problems.append(f"aux hidden-state layers {list(aux)} must be three layer ids in "
                         f"0..{layers - 1} of the target (a target of {layers} layers needs "
                         "eagle_config.eagle_aux_hidden_state_layer_ids when under 6)")
+    if not isinstance(raw.get("intermediate_size"), int):
+        problems.append("config.json has no intermediate_size")
     if raw.get("num_hidden_layers", 1) != 1:
         problems.append(f"num_hidden_layers is {raw['num_hidden_layers']}; edgespec runs "
                         "one-layer EAGLE-3 heads")
