@@ -835,6 +835,107 @@ def run(args) -> None:
         print(f"skipped {name}: {why.splitlines()[0]}")
 
 
+# --- EAGLE-3 heads: the head's step against the target's and a draft model's ------------------
+
+EAGLE_DRAFT_VOCAB = 32000  # the published Llama-3.1-8B head's (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B)
+
+
+def make_head(target: Path, out: Path, draft_vocab: int) -> Path:
+    """A random EAGLE-3 head for the checkpoint ``target`` (export/eagle3.py's writer, bf16 as
+    heads ship), scoring ``draft_vocab`` of its tokens."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from edgespec.export.eagle3 import D2T, T2D, write_random_head
+
+    write_random_head(out, AutoConfig.from_pretrained(target), draft_vocab=draft_vocab)
+    weights = load_file(str(out / "model.safetensors"))
+    save_file({k: v if k in (D2T, T2D) else v.to(torch.bfloat16) for k, v in weights.items()},
+              str(out / "model.safetensors"))
+    return out
+
+
+def eagle_steps(package: Path, context: int, steps: int, threads: int = 0) -> dict:
+    """Median ms of one-token runs after ``context`` tokens: the target's, and the draft's
+    (a head's with a row of features, as the chain runs it). ``threads``: each session's
+    (0: onnxruntime's default, every core)."""
+    import numpy as np
+
+    import edgespec
+    from edgespec.runtime.providers import SessionConfig
+
+    config = SessionConfig("cpu", threads=threads)
+    pipe = edgespec.load(package, target=config, draft=config, calibration_cache=False)
+    ids = np.random.default_rng(0).integers(0, pipe.manifest.vocab_size, context + steps + 1)
+    result = {}
+    for role, session in (("target", pipe.target), ("draft", pipe.draft)):
+        cache = session.new_cache(context + steps + 2)
+
+        def features(n):
+            return (np.zeros((n, session.feature_size), np.float32) if session.reads_features
+                    else None)
+
+        session.forward_rows(ids[:context], cache, features(context))
+        times = []
+        for i in range(steps + 1):  # the first pays for allocations: dropped
+            start = time.perf_counter()
+            session.forward_rows(ids[context + i : context + i + 1], cache, features(1))
+            times.append(time.perf_counter() - start)
+            cache.crop(context)
+        result[f"{role}_step_ms"] = 1e3 * statistics.median(times[1:])
+    result["draft_parameters"] = pipe.manifest.draft.parameters
+    return result
+
+
+def eagle_command(args) -> None:
+    """Export (int4) the target with a random head and, if given, with a draft model; time
+    the steps of each in a fresh child, side by side; print c = draft step / target step."""
+    out, logs = args.out, args.out / "logs"
+    names = [args.target, *([args.draft] if args.draft else [])]
+    checkpoints = {n: checkpoint(n, args.checkpoints, args.make, logs) for n in names}
+    head = out / f"head-{args.target}"
+    if not (head / "config.json").is_file():
+        child = run_child([sys.executable, __file__, "make-head", str(checkpoints[args.target]),
+                           str(head), "--draft-vocab", str(args.draft_vocab)], logs / "head.log")
+        if child.returncode:
+            raise failed("making the head", child, logs / "head.log")
+    drafts = {"eagle3": head, **({args.draft: checkpoints[args.draft]} if args.draft else {})}
+    results = {"uptime": os.getloadavg(), "context": args.context, "steps": args.steps,
+               "threads": args.threads}
+    packages = {name: out / "packages" / f"{args.target}+{name}-int4" for name in drafts}
+    for name, draft in drafts.items():
+        package = packages[name]
+        if not (package / "edgespec.json").is_file():
+            command = [sys.executable, "-m", "edgespec", "export", "--target",
+                       str(checkpoints[args.target]), "--draft", str(draft), "--out", str(package),
+                       "--quantize", "int4", "--target-compute", "float", "--validate", "skip"]
+            child = run_child(command, logs / f"export-{name}.log")
+            if child.returncode:
+                raise failed(f"exporting {name}", child, logs / f"export-{name}.log")
+    runs: dict[str, list] = {name: [] for name in drafts}
+    for _ in range(args.repeats):  # interleaved: the machine's load drifts over both alike
+        for name, package in packages.items():
+            json_out = logs / f"steps-{name}.json"
+            child = run_child([sys.executable, __file__, "eagle-steps", str(package),
+                               "--context", str(args.context), "--steps", str(args.steps),
+                               "--threads", str(args.threads), "--json", str(json_out)],
+                              logs / f"steps-{name}.log")
+            if child.returncode:
+                raise failed(f"timing {name}", child, logs / f"steps-{name}.log")
+            runs[name].append(json.loads(json_out.read_text()))
+    for name, rows in runs.items():
+        target = statistics.median(r["target_step_ms"] for r in rows)
+        draft_ms = statistics.median(r["draft_step_ms"] for r in rows)
+        results[name] = {"target_step_ms": target, "draft_step_ms": draft_ms,
+                         "c": draft_ms / target, "draft_parameters": rows[0]["draft_parameters"],
+                         "runs": rows}
+        print(f"{args.target} int4 + {name}: target step {target:.1f} ms, draft step "
+              f"{draft_ms:.1f} ms, c = {draft_ms / target:.3f}", flush=True)
+    results["uptime_after"] = os.getloadavg()
+    (out / f"eagle-{args.target}-threads{args.threads}.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
 def measure_command(args) -> None:
     setting = next(s for s in SETTINGS if s.name == args.setting)
     result = measure(args.package, setting, args.context, args.steps, args.sampling_tokens)
@@ -880,9 +981,39 @@ def main(argv: list[str]) -> None:
     one.add_argument("--sampling-tokens", type=int, default=64)
     one.add_argument("--json", type=Path, required=True)
 
+    eagle = sub.add_parser("eagle", help="c of a random EAGLE-3 head (and of a draft model) "
+                                         "against the int4 target's step")
+    eagle.add_argument("--target", choices=sorted(SHAPES), default="qwen2.5-1.5b")
+    eagle.add_argument("--draft", choices=sorted(SHAPES), help="a draft model to compare with")
+    eagle.add_argument("--draft-vocab", type=int, default=EAGLE_DRAFT_VOCAB)
+    eagle.add_argument("--checkpoints", type=Path, default=Path("build/shapes"))
+    eagle.add_argument("--make", action="store_true", help="make missing checkpoints")
+    eagle.add_argument("--out", type=Path, default=Path("build/eagle-shapes"))
+    eagle.add_argument("--repeats", type=int, default=3, help="a fresh child each")
+    eagle.add_argument("--steps", type=int, default=20)
+    eagle.add_argument("--context", type=int, default=256)
+    eagle.add_argument("--threads", type=int, default=0, help="per session (0: every core)")
+    head = sub.add_parser("make-head", help="write a random EAGLE-3 head (a child of eagle)")
+    head.add_argument("target", type=Path)
+    head.add_argument("out", type=Path)
+    head.add_argument("--draft-vocab", type=int, default=EAGLE_DRAFT_VOCAB)
+    steps = sub.add_parser("eagle-steps", help="time one package's steps (a child of eagle)")
+    steps.add_argument("package", type=Path)
+    steps.add_argument("--context", type=int, default=256)
+    steps.add_argument("--steps", type=int, default=20)
+    steps.add_argument("--threads", type=int, default=0)
+    steps.add_argument("--json", type=Path, required=True)
+
     args = parser.parse_args(argv)
     if args.command == "make":
         print(make_checkpoint(args.shape, args.out))
+    elif args.command == "make-head":
+        print(make_head(args.target, args.out, args.draft_vocab))
+    elif args.command == "eagle-steps":
+        args.json.write_text(json.dumps(eagle_steps(args.package, args.context, args.steps,
+                                                    args.threads)))
+    elif args.command == "eagle":
+        eagle_command(args)
     elif args.command == "measure":
         measure_command(args)
     else:

@@ -59,6 +59,8 @@ class FakeCache:
 class FakeSession:
     """Logits by position: ``rows[j]`` follows the j-th token after the context."""
 
+    token_ids = None  # scores the whole vocabulary (ModelDrafter reads it)
+
     def __init__(self, rows: np.ndarray):
         self.rows = rows  # [k+1, V] float32
 
@@ -69,6 +71,10 @@ class FakeSession:
         start = cache.length - (CONTEXT - 1)
         cache.length += len(tokens)
         return self.rows[start : start + len(tokens)].copy()  # fresh, as onnxruntime's output
+
+    def forward_rows(self, tokens: np.ndarray, cache: FakeCache, features=None):
+        """ModelSession's: (logits, None), a graph without feature rows (TargetRunner's call)."""
+        return self.forward(tokens, cache), None
 
 
 def make_rows(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
@@ -85,8 +91,8 @@ def fast_round(draft_rows, target_rows, k, sampling, seed) -> tuple[float, int]:
     stats = GenerationStats(speculative=True)
     draft = ModelDrafter(FakeSession(draft_rows), stats)
     uniforms = PositionUniforms(seed, first=CONTEXT)
-    new = speculative_round(target, draft, committed, k, sampling, uniforms, stats)
-    return stats.sampling_s, len(new)
+    done = speculative_round(target, draft, committed, k, sampling, uniforms, stats)
+    return stats.sampling_s, len(done.tokens)
 
 
 def reference_round(draft_rows, target_rows, k, sampling, seed) -> tuple[float, int]:

@@ -22,6 +22,7 @@ NAME = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w-]+\.(?:py|md|toml))(?![\w/])")
 EXTERNAL = {
     "utils/chat_template_utils.py",  # transformers' chat template helpers
     "convert_hf_to_gguf.py",  # llama.cpp's converter
+    "vllm/model_executor/models/llama_eagle3.py",  # vLLM's EAGLE-3 head
 }
 
 

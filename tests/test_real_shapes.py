@@ -117,3 +117,21 @@ def test_checkpoints_are_made_shard_by_shard_and_load(rs, tmp_path, monkeypatch)
             assert weights["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 32, 64)
             assert torch.equal(weights["model.layers.0.self_attn.k_norm.weight"],
                                torch.ones(32, dtype=torch.bfloat16))
+
+
+def test_eagle_steps_times_a_head_and_its_target(rs, checkpoints, tmp_path):
+    """The EAGLE-3 cost child on a tiny package: a head's step (fed a feature row) and the
+    target's, both timed."""
+    from transformers import AutoConfig
+
+    from edgespec.export import export_pair
+
+    head = rs.make_head(checkpoints["llama_target"], tmp_path / "head", draft_vocab=100)
+    config = json.loads((head / "config.json").read_text())
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]}  # 2 layers
+    (head / "config.json").write_text(json.dumps(config))
+    assert AutoConfig.from_pretrained(checkpoints["llama_target"]).num_hidden_layers == 2
+    export_pair(checkpoints["llama_target"], head, tmp_path / "pkg", validation="skip")
+    steps = rs.eagle_steps(tmp_path / "pkg", context=8, steps=3, threads=1)
+    assert steps["target_step_ms"] > 0 and steps["draft_step_ms"] > 0
+    assert steps["draft_parameters"] > 0

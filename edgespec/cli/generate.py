@@ -42,7 +42,8 @@ _DEFAULTS = GenerationConfig()  # the CLI's defaults are the library's
                    "the large model whose output you want.")
 @click.option("--draft", type=click.Path(path_type=Path),
               help="Hugging Face folder or GGUF file of the small model that proposes "
-                   "tokens. Without it: a target-only package, decoded with n-gram drafting.")
+                   "tokens, or an EAGLE-3 head's folder (its config names the architecture). "
+                   "Without it: a target-only package, decoded with n-gram drafting.")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Package folder to create.")
 @click.option("--overwrite", is_flag=True,

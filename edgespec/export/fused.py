@@ -48,6 +48,7 @@ from edgespec.export.families import QK_NORM, head_dim_of, why_not_fused
 from edgespec.export.memory import trim
 from edgespec.export.onnx_io import EXTERNAL_ABOVE, WeightStore, write_graph
 from edgespec.export.precision import INT8_COMPUTE, QUANT_BLOCK_SIZE, quantize_blocks
+from edgespec.runtime.session import FEATURES as EAGLE_FEATURES  # an EAGLE-3 head's input
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"  # the checkpoint's names
 _MS = "com.microsoft"
@@ -57,7 +58,8 @@ _OPSET = 17
 def build_fused_graph(model: PreTrainedModel, tensors, folder: Path, keep_precision: bool = True,
                       bits: int | None = None, int8_compute: bool = False,
                       token_ids: np.ndarray | None = None,
-                      progress: Callable[[str], None] | None = None) -> dict:
+                      progress: Callable[[str], None] | None = None,
+                      eagle_fc: tuple[tuple[int, ...], torch.Tensor] | None = None) -> dict:
     """Write folder/model.onnx for a Llama-family model; the graph computes in float32.
 
     model: the model's modules, on PyTorch's meta device (graph.meta_model: config, tying,
@@ -79,6 +81,10 @@ def build_fused_graph(model: PreTrainedModel, tensors, folder: Path, keep_precis
     A source that holds quantized blocks already (export/gguf.py) hands them over through
     ``tensors.packed(names)``: those weights become MatMulNBits (and the embedding a gather of
     the same blocks) as they are, whatever ``bits`` says; ``bits`` applies to the others.
+    eagle_fc: (aux layer ids, an EAGLE-3 head's fc weight ``[h, 3h]``): the graph also outputs
+        ``eagle_features`` ``[1, sequence_length, h]`` = fc(cat of the residual streams entering
+        those layers), the head's input for every row of a run (export/eagle3.py). The head's
+        fc lives here rather than in the head graph: h floats a row leave the target, not 3h.
     """
     reason = why_not_fused(model.config)
     if reason:
@@ -101,7 +107,8 @@ def build_fused_graph(model: PreTrainedModel, tensors, folder: Path, keep_precis
     external = stored > EXTERNAL_ABOVE
     with WeightStore(folder, external=external, keep_precision=keep_precision) as store:
         builder = _Builder(model, tensors, store, tie=tie, bits=bits, int8_compute=int8_compute,
-                           token_ids=token_ids, progress=progress or (lambda line: None))
+                           token_ids=token_ids, progress=progress or (lambda line: None),
+                           eagle_fc=eagle_fc)
         graph = builder.build()
     write_graph(graph, folder, [("", _OPSET), (_MS, 1)])
     return store.counts
@@ -144,10 +151,11 @@ class _Builder:
 
     def __init__(self, model: PreTrainedModel, tensors, store: WeightStore, tie: bool,
                  bits: int | None, int8_compute: bool, token_ids: np.ndarray | None,
-                 progress: Callable[[str], None]):
+                 progress: Callable[[str], None],
+                 eagle_fc: tuple[tuple[int, ...], torch.Tensor] | None = None):
         self.model, self.config, self.tensors, self.store = model, model.config, tensors, store
         self.tie, self.bits, self.int8_compute = tie, bits, int8_compute
-        self.token_ids = token_ids
+        self.token_ids, self.eagle_fc = token_ids, eagle_fc
         self.progress = progress
         self.nodes = []
         self.constants: set[str] = set()
@@ -298,6 +306,7 @@ class _Builder:
 
         x, table = self.embedding()
         residual = None
+        streams = []  # the residual stream entering each layer (Hugging Face's hidden_states)
         start = time.perf_counter()
         for i in range(layers):
             layer = f"model.layers.{i}"
@@ -312,6 +321,7 @@ class _Builder:
             else:
                 normed, residual = self.skip_norm(f"l{i}.in_norm", x, residual,
                                                   f"{layer}.input_layernorm.weight")
+            streams.append(residual)
             attn = f"{layer}.self_attn"
             qkv = self.linear(f"l{i}.qkv", normed, f"{attn}.q_proj", f"{attn}.k_proj",
                               f"{attn}.v_proj")
@@ -326,6 +336,8 @@ class _Builder:
                           f"{time.perf_counter() - start:.0f} s")
         normed, _ = self.skip_norm("final_norm", x, residual, "model.norm.weight")
         self.lm_head(normed, table)
+        if self.eagle_fc is not None:
+            self.eagle_features(streams)
 
         inputs = [
             helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "sequence_length"]),
@@ -334,6 +346,9 @@ class _Builder:
         rows = cfg.vocab_size if self.token_ids is None else len(self.token_ids)
         outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
                                                  [1, "sequence_length", rows])]
+        if self.eagle_fc is not None:
+            outputs.append(helper.make_tensor_value_info(
+                EAGLE_FEATURES, TensorProto.FLOAT, [1, "sequence_length", cfg.hidden_size]))
         for i in range(layers):
             for kind in ("key", "value"):
                 inputs.append(helper.make_tensor_value_info(
@@ -343,6 +358,13 @@ class _Builder:
                     f"present.{i}.{kind}", TensorProto.FLOAT, [1, kv_heads, "present_length", head_dim]))
         return helper.make_graph(self.nodes, "edgespec_fused_decoder", inputs, outputs,
                                  self.store.initializers)
+
+    def eagle_features(self, streams: list[str]) -> None:
+        """eagle_features = fc(cat(streams[a], streams[b], streams[c])) for the head's aux
+        layers (a, b, c): an EAGLE-3 head's input, [1, S, h]."""
+        layers, fc = self.eagle_fc
+        (both,) = self.node("Concat", [streams[i] for i in layers], axis=-1)  # [1, S, 3h]
+        self.matmul("eagle_fc", both, fc, output=EAGLE_FEATURES)
 
     def embedding(self) -> tuple[str, _NBits | tuple[str, ...]]:
         """The Gather of input_ids' rows, and the stored table a tied output layer reads.

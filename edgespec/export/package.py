@@ -25,6 +25,8 @@ import edgespec
 from edgespec.config import EXPORT_DTYPES, EXPORT_GRAPHS, EXPORT_QUANTIZATIONS
 from edgespec.errors import ExportError
 from edgespec.export.destination import atomic_folder, check_destination
+from edgespec.export.eagle3 import HeadConfig, HeadTensors, is_eagle3_head, read_head_config
+from edgespec.export.eagle3_graph import export_head
 from edgespec.export.families import why_not_fused
 from edgespec.export.fused import build_fused_graph
 from edgespec.export.graph import describe_graph, export_graph, load_model, meta_model
@@ -95,6 +97,11 @@ def export_pair(
         "auto": measured on this machine with the shape of its runs (export/runs.py).
     draft_vocab: the draft scores only this many tokens, the most frequent in
         ``draft_vocab_texts`` (export/vocab.py; FR-Spec): a cheaper draft step, exact output.
+
+    A draft folder holding an EAGLE-3 head (export/eagle3.py: its config names the
+    architecture) makes an EAGLE-3 package: the target's fused graph also outputs the head's
+    input (eagle_features), and the head is the draft graph (export/eagle3_graph.py),
+    quantized as ``draft_quantize`` says.
     """
     out = Path(out)
     if dtype not in EXPORT_DTYPES:
@@ -129,7 +136,9 @@ def export_pair(
 
     with report.step("checking the pair" if draft is not None else "reading the target"):
         target_ckpt = read_checkpoint(Path(target), "target")
-        draft_ckpt = read_checkpoint(Path(draft), "draft") if draft is not None else None
+        head = _eagle3_head(draft, target_ckpt, graph, dtype, draft_vocab)
+        draft_ckpt = (read_checkpoint(Path(draft), "draft") if draft is not None and head is None
+                      else None)
         vocab_size = (check_pair(target_ckpt, draft_ckpt) if draft_ckpt
                       else target_ckpt.vocab_size)
 
@@ -148,8 +157,13 @@ def export_pair(
                     report.detail(f"the draft scores {len(token_ids):,} of {vocab_size:,} tokens"
                                   + (f" ({covered:.1%} of the calibration text's tokens)"
                                      if covered is not None else " (the lowest ids: no text)"))
+                eagle_fc = head and (head.aux_layers, HeadTensors(head).read("fc.weight"))
                 specs[role] = _export_model(ckpt, tmp, role, variants[role], graph, validation,
-                                            report, target_compute, token_ids)
+                                            report, target_compute, token_ids, eagle_fc)
+        if head is not None:
+            with report.step(f"exporting and validating the EAGLE-3 head ({head.path})"):
+                specs["draft"] = export_head(head, CheckpointTensors(target_ckpt.path), tmp,
+                                             variants["draft"], validation, report.detail)
         with report.step("writing tokenizer and manifest"):
             defaults, ignored = target_ckpt.sampling_defaults
             if defaults:
@@ -157,13 +171,38 @@ def export_pair(
                 report.detail(f"sampling defaults from generation_config.json: {shown}")
             if ignored:
                 report.detail(f"in generation_config.json but not applied: {', '.join(ignored)}")
-            manifest = _write_package(tmp, target_ckpt, draft_ckpt, specs, vocab_size, defaults)
+            manifest = _write_package(tmp, target_ckpt, draft_ckpt, specs, vocab_size, defaults,
+                                      head.path if head else None)
     return manifest
+
+
+def _eagle3_head(draft: str | Path | None, target: Checkpoint, graph: str, dtype: str,
+                 draft_vocab: int | None) -> HeadConfig | None:
+    """The draft's EAGLE-3 head config, checked against the target; None if it is not one.
+
+    A head reads the target's fused graph's eagle_features output: optimum's graphs have no
+    such output, so a target exported with optimum (asked, or not a Llama-family model) is
+    refused, as are fp16 graphs, GGUF targets and draft_vocab (a head has its own vocabulary).
+    """
+    if draft is None or not is_eagle3_head(Path(draft)):
+        return None
+    reason = why_not_fused(target.config)
+    if graph == "optimum" or reason:
+        raise ExportError(f"an EAGLE-3 head reads the target's hidden states, which only "
+                          f"edgespec's fused target graph outputs, and "
+                          f"{reason or 'optimum was asked for'}; drop --graph optimum or "
+                          "pair the target with a draft model")
+    if dtype != "fp32" or draft_vocab is not None or not safetensors_files(target.path):
+        raise ExportError("an EAGLE-3 head is exported beside an fp32 (or quantized) target "
+                          "from safetensors, without --draft-vocab (the head has its own "
+                          "vocabulary); drop --dtype fp16 / --draft-vocab, or convert the "
+                          "target to safetensors")
+    return read_head_config(Path(draft), target.config)
 
 
 def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: str,
                   validation: str, report: "_Steps", target_compute: str = "auto",
-                  token_ids: np.ndarray | None = None) -> ModelSpec:
+                  token_ids: np.ndarray | None = None, eagle_fc=None) -> ModelSpec:
     """Build, shrink and validate one graph, with at most one model in memory at a time.
 
     A fused graph is written from the checkpoint one tensor at a time, quantized as it is
@@ -200,7 +239,7 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
     write = _write_fused if graph == "fused" else _write_optimum
     stored, about, expected, reference = write(ckpt, folder, role, variant, token_ids,
                                                ids if validation != "skip" else None, report,
-                                               int8_compute)
+                                               int8_compute, eagle_fc)
     if token_ids is not None and expected is not None:
         expected = expected[:, token_ids]  # the columns the graph scores
     weights = about.pop("gguf", None)  # a GGUF file's tensors: repacked, kept, dequantized
@@ -272,7 +311,7 @@ def _check_repacked(expected: np.ndarray, ids: np.ndarray, root: Path, spec, max
 
 def _write_fused(ckpt: Checkpoint, folder: Path, role: str, variant: str,
                  token_ids: np.ndarray | None, ids: np.ndarray | None, report: "_Steps",
-                 int8_compute: bool = False):
+                 int8_compute: bool = False, eagle_fc=None):
     """Write the fused graph in its final precision; (stored types, about, reference logits,
     how they were computed).
 
@@ -293,7 +332,7 @@ def _write_fused(ckpt: Checkpoint, folder: Path, role: str, variant: str,
                   f"{'one tensor at a time' if loaded is None else 'from the loaded model'})")
     stored = build_fused_graph(model, tensors, folder, keep_precision=variant != "fp16",
                                bits=bits, int8_compute=int8_compute,
-                               token_ids=token_ids, progress=report.detail)
+                               token_ids=token_ids, progress=report.detail, eagle_fc=eagle_fc)
     about = {"architecture": ckpt.config.model_type,
              "parameters": sum(p.numel() for p in model.parameters())}
     if isinstance(tensors, GGUFTensors):  # a GGUF draft computes in int8 only as
@@ -333,7 +372,7 @@ def _gguf_weights(tensors: GGUFTensors, bits: int | None) -> dict:
 
 def _write_optimum(ckpt: Checkpoint, folder: Path, role: str, variant: str,
                    token_ids: np.ndarray | None, ids: np.ndarray | None, report: "_Steps",
-                   int8_compute: bool = False):
+                   int8_compute: bool = False, eagle_fc=None):
     """Export optimum's graph from the loaded model, then shrink it; as ``_write_fused``."""
     model = load_model(ckpt.path)
     report.detail("writing the optimum graph")
@@ -370,7 +409,7 @@ def _figures_line(figures: dict) -> str:
 
 def _write_package(
     tmp: Path, target: Checkpoint, draft: Checkpoint | None, specs: dict, vocab_size: int,
-    generation: dict,
+    generation: dict, head: Path | None = None,
 ) -> Manifest:
     tokenizer = target.tokenizer
     tokenizer.backend_tokenizer.save(str(tmp / TOKENIZER_NAME))
@@ -392,7 +431,8 @@ def _write_package(
         special_tokens=dict(tokenizer.special_tokens_map) if template is not None else {},
         generation=generation,
         source={"target": str(target.path.resolve()),
-                **({"draft": str(draft.path.resolve())} if draft else {})},
+                **({"draft": str(draft.path.resolve())} if draft else {}),
+                **({"draft": str(head.resolve())} if head else {})},
         edgespec_version=edgespec.__version__,
     )
     manifest.write(tmp)

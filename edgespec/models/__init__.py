@@ -47,7 +47,8 @@ def describe_package(name: str, path: Path) -> list[str]:
     manifest = Manifest.read(path)
     size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
     draft = manifest.draft
-    drafting = (f"draft {draft.layers} layers, {draft.parameters / 1e6:.1f}M" if draft
+    kind = "an EAGLE-3 head, " if draft and draft.architecture == "eagle3" else ""
+    drafting = (f"draft {kind}{draft.layers} layers, {draft.parameters / 1e6:.1f}M" if draft
                 else "no draft: target only (decodes with n-gram drafting)")
     target = manifest.target
     return [

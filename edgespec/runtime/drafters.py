@@ -7,10 +7,12 @@ session, an index lookup) and moves its state on to cover ``tokens``. ``propose`
 questions for up to k positions, and ``rollback`` forgets the drafted tokens the target
 rejected.
 
-Exactness needs one property of every drafter: **its proposal for position n is a function of
-the tokens before n only** (not of where the round began or what was drafted and rolled back).
-Then every position's token is ``position_token(p_n, q_n, u[n])`` however the positions are cut
-into rounds (acceptance.py), and a seed gives the same text whatever fixed k.
+Exactness (the output's distribution is the target's) needs only that each draft token is
+drawn from the row q returned with it. Seed-invariance needs more: **a proposal for position
+n that is a function of the tokens before n only** (not of where the round began or what was
+drafted and rolled back). Then every position's token is ``position_token(p_n, q_n, u[n])``
+however the positions are cut into rounds (acceptance.py), and a seed gives the same text
+whatever fixed k. The model and n-gram drafters have it; the EAGLE-3 head does not (below).
 
 - ``ModelDrafter``: the package's draft model (one run per position, its cache cropped back).
 - ``NgramDrafter``: prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_
@@ -19,6 +21,11 @@ into rounds (acceptance.py), and a seed gives the same text whatever fixed k.
   latest earlier occurrence is proposed, as a point mass. The lookup is fresh at every
   position, drafts included, so a proposal depends on the prefix alone.
 - ``NoDrafter``: never proposes: target-only decoding.
+- ``Eagle3Drafter``: an EAGLE-3 head (export/eagle3.py) reading the target's own features.
+  Its proposal for position n reads the target's feature of n - 2 when the target has run
+  there, else its own hidden_out (the test-time chain): it depends on where the round began,
+  so one seed gives one text per k, not one text whatever k; greedy output and the sampled
+  distribution are the target's all the same.
 
 Each drafter times its own work into the stats (``draft_s``, ``draft_calls``; the model's row
 processing into ``sampling_s``), so the round does no timing of its own for drafting.
@@ -72,6 +79,10 @@ class Drafter:
 
     def rollback(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens (drafts the target rejected)."""
+
+    def target_features(self, start: int, rows: np.ndarray) -> None:
+        """The target's feature rows ``[n, h]`` for positions start..start+n-1, from a run of a
+        target paired with an EAGLE-3 head (only a head reads them)."""
 
     def propose(
         self, committed: list[int], k: int, sampling: SamplingConfig, u: np.ndarray | None
@@ -133,6 +144,81 @@ class ModelDrafter(Drafter):
         # a greedy draft never ran on a fully accepted round's last token: then it stays
         # one behind and catches up on its next run
         self.cache.crop(min(self.cache.length, length))
+
+
+class Eagle3Drafter(Drafter):
+    """An EAGLE-3 head: row j reads (token x_{j+1}, a feature of position j) at position j and
+    scores x_{j+2}; its logits cover the draft vocabulary, relabelled to target ids (q = 0
+    outside), as a subset draft's are.
+
+    The feature of row j is the target's (``target_features``: from its prefill and
+    verification runs) where the target has run position j, else the head's own hidden_out of
+    row j - 1 (drafting past the target). The head's cache holds only rows computed from
+    target features (``true_rows`` of them, rows 0..true_rows-1): a round's first proposal
+    re-runs every row the target's last run made possible (one run, several rows) after
+    dropping the chain rows of the round before. Rows are cropped with the tokens they read:
+    row j needs x_{j+1}, so ``rollback(length)`` keeps rows below length - 1, and features
+    below length (the target's of rejected drafts go).
+    """
+
+    name = "model"
+
+    def __init__(self, session: ModelSession, stats: GenerationStats, positions: int | None = None):
+        self.session, self.stats = session, stats
+        self.cache: KVCache | InPlaceKVCache = session.new_cache(positions)
+        self.features = np.zeros((positions or 64, session.feature_size), np.float32)  # [P, h]
+        self.known = 0  # target features held: positions 0..known-1
+        self.true_rows = 0  # head rows in the cache computed from target features
+        self.hidden = None  # the last row run: (its index, its hidden_out [h])
+
+    def target_features(self, start: int, rows: np.ndarray) -> None:
+        if start > self.known:
+            raise CacheError(f"target features from position {start}, but only {self.known} "
+                             "are held")
+        end = start + len(rows)
+        if end > len(self.features):
+            grown = np.zeros((max(end, 2 * len(self.features)), self.features.shape[1]),
+                             np.float32)
+            grown[: self.known] = self.features[: self.known]
+            self.features = grown
+        self.features[start:end] = rows
+        self.known = end
+
+    def next_row(self, committed: list[int], drafted: Sequence[int],
+                 sampling: SamplingConfig) -> Dist | None:
+        n = len(committed) + len(drafted)  # the position proposed: row n - 2 scores it
+        row = n - 2
+        if row < 0:
+            return None  # x_1 has no row before it
+        start = time.perf_counter()
+        if row < self.known:  # 1. the target has run there: its features, every row missing
+            self.cache.crop(min(self.cache.length, self.true_rows))
+            first = self.cache.length
+            if first > row:
+                raise CacheError(f"the EAGLE-3 head's cache covers {first} rows, past row {row}")
+            tokens = tokens_from(committed, drafted, first + 1)[: row - first + 1]
+            features = self.features[first : row + 1]
+            self.true_rows = row + 1
+        else:  # 2. the test-time chain: the head's own hidden_out of row n - 3
+            if self.hidden is None or self.hidden[0] != row - 1 or self.cache.length != row:
+                raise CacheError(f"the EAGLE-3 head cannot chain row {row}: its cache covers "
+                                 f"{self.cache.length} rows")
+            tokens = tokens_from(committed, drafted, n - 1)
+            features = self.hidden[1][None]
+        logits, hidden = self.session.forward_rows(np.array(tokens), self.cache, features)
+        self.hidden = (row, hidden[-1].copy())  # not a view of a buffer the next run may reuse
+        middle = time.perf_counter()
+        q = process_row(logits[-1], sampling).relabel(self.session.token_ids)
+        self.stats.draft_s += middle - start
+        self.stats.sampling_s += time.perf_counter() - middle
+        self.stats.draft_calls += 1
+        return q
+
+    def rollback(self, length: int) -> None:
+        self.known = min(self.known, length)
+        self.true_rows = min(self.true_rows, max(length - 1, 0))
+        self.cache.crop(min(self.cache.length, self.true_rows))
+        self.hidden = None
 
 
 class NgramIndex:
@@ -243,6 +329,8 @@ def make_drafter(
     """A fresh drafter for one generation (``name`` as ``resolve_drafter`` gives it; a draft
     model's cache starts with room for ``positions``)."""
     if name == "model":
+        if draft.reads_features:  # an EAGLE-3 head
+            return Eagle3Drafter(draft, stats, positions)
         return ModelDrafter(draft, stats, positions)
     if name == "ngram":
         return NgramDrafter(config.ngram_min, config.ngram_max, stats)

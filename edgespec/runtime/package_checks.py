@@ -141,7 +141,9 @@ def check_probe_run(path: Path, session) -> None:
     cache = session.new_cache(2)
     try:
         for length in (1, 2):
-            logits = session.forward(np.array([0], np.int64), cache)  # [1, V]
+            features = (np.zeros((1, session.feature_size), np.float32)
+                        if session.reads_features else None)  # an EAGLE-3 head's input
+            logits, _ = session.forward_rows(np.array([0], np.int64), cache, features)  # [1, V]
             width = session.vocab_size if session.token_ids is None else len(session.token_ids)
             if logits.shape != (1, width):
                 _refuse(path, f"gave logits of shape {list(logits.shape)} for one token, not "

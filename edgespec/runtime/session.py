@@ -9,12 +9,16 @@ import onnxruntime as ort
 
 from edgespec.errors import ManifestError
 from edgespec.manifest import ModelSpec
-from edgespec.runtime.kv_cache import InPlaceKVCache, KVCache
+from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
 from edgespec.runtime.package_checks import check_graph_io, check_probe_run
 from edgespec.runtime.providers import SessionConfig, fallback_warning, provider_chain
 
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 INITIAL_POSITIONS = 256  # an in-place cache's first size when no request length is given
+# An EAGLE-3 pair's rows (export/eagle3.py): the target outputs FEATURES (fc of its aux hidden
+# states) for every row it runs; the head reads them as its input of that name and outputs
+# HIDDEN_OUT, which it reads back as FEATURES for the rows it drafts on its own
+FEATURES, HIDDEN_OUT = "eagle_features", "hidden_out"
 
 
 class ModelSession:
@@ -71,7 +75,12 @@ class ModelSession:
         self.has_position_ids = "position_ids" in inputs
         self.has_attention_mask = "attention_mask" in inputs
         self._ones = np.ones((1, 0), np.int64)  # the attention mask: every position attended
-        self.output_names = ["logits", *self.kv_outputs]
+        # an EAGLE-3 head reads feature rows; a target paired with one, or a head, outputs them
+        self.reads_features = FEATURES in inputs
+        self.row_output = next((n for n in (FEATURES, HIDDEN_OUT) if n in outputs), None)
+        self.feature_size = (inputs[FEATURES].shape[2] if self.reads_features else None)
+        self.output_names = ["logits", *([self.row_output] if self.row_output else []),
+                             *self.kv_outputs]
 
     def new_cache(self, positions: int | None = None) -> KVCache | InPlaceKVCache:
         """An empty cache. An in-place one starts with room for ``positions`` (capped at
@@ -83,7 +92,15 @@ class ModelSession:
         return KVCache(self.kv_inputs, self.kv_heads, self.head_dim, self.kv_dtype)
 
     def forward(self, tokens: np.ndarray, cache: KVCache | InPlaceKVCache) -> np.ndarray:
-        """Run ``tokens [n]`` after what the cache covers; returns logits ``[n, vocab]``.
+        """Run ``tokens [n]`` after what the cache covers; returns logits ``[n, vocab]``
+        (``forward_rows``' logits)."""
+        return self.forward_rows(tokens, cache)[0]
+
+    def forward_rows(self, tokens: np.ndarray, cache: KVCache | InPlaceKVCache,
+                     features: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Run ``tokens [n]`` after what the cache covers; returns (logits ``[n, vocab]``, the
+        graph's feature rows ``[n, h]``: FEATURES of a target paired with an EAGLE-3 head,
+        HIDDEN_OUT of a head, None for other graphs). ``features [n, h]``: a head's input.
 
         position_ids and attention_mask are derived from the cache length; the cache then
         covers the fed tokens too. A run shorter than the graph's ``min_run_tokens`` carries
@@ -93,37 +110,52 @@ class ModelSession:
         differently from the kernel every longer run uses (export/runs.py).
         """
         n = len(tokens)
+        if self.reads_features != (features is not None) or (
+                features is not None and len(features) != n):
+            raise CacheError(f"{n} tokens fed with {'no' if features is None else len(features)}"
+                             f" feature rows to a graph that reads "
+                             f"{'them' if self.reads_features else 'none'}")
         pad = min(self.min_run_tokens - n, self.max_positions - cache.length - n)
         if pad > 0:
             tokens = np.concatenate([tokens, np.repeat(np.asarray(tokens)[-1:], pad)])
-            logits = self._run(tokens, cache)[:n]
+            if features is not None:
+                features = np.concatenate([features, np.repeat(features[-1:], pad, axis=0)])
+            logits, rows = self._run(tokens, cache, features)
             cache.crop(cache.length - pad)
-            return logits
-        return self._run(tokens, cache)
+            return logits[:n], None if rows is None else rows[:n]
+        return self._run(tokens, cache, features)
 
-    def _run(self, tokens: np.ndarray, cache: KVCache | InPlaceKVCache) -> np.ndarray:
-        """One session run on ``tokens [n]`` after the cache; logits ``[n, vocab]``."""
+    def _run(self, tokens: np.ndarray, cache: KVCache | InPlaceKVCache,
+             features: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """One session run on ``tokens [n]`` (and ``features [n, h]``) after the cache;
+        (logits ``[n, vocab]``, feature rows ``[n, h]`` or None)."""
         start, n = cache.length, len(tokens)
         feeds = {"input_ids": np.asarray(tokens, dtype=np.int64)[None, :]}
+        if features is not None:
+            feeds[FEATURES] = np.ascontiguousarray(features, dtype=np.float32)[None]
         if self.has_attention_mask:  # a view of one buffer: no allocation that grows with the text
             if self._ones.shape[1] < start + n:
                 self._ones = np.ones((1, max(start + n, 2 * self._ones.shape[1])), np.int64)
             feeds["attention_mask"] = self._ones[:, : start + n]
         if self.has_position_ids:
             feeds["position_ids"] = np.arange(start, start + n, dtype=np.int64)[None, :]
+        extra = 1 if self.row_output else 0
         if self.in_place:
             cache.reserve(n)
-            logits = self._run_in_place(feeds, cache)
+            outputs = self._run_in_place(feeds, cache)
             cache.advance(n)
         else:
-            logits, *presents = self.session.run(self.output_names, {**feeds, **cache.feeds()})
-            cache.replace(presents, added=n)
-        return logits[0, :, : self.vocab_size]  # [n, V]; padded rows dropped
+            outputs = self.session.run(self.output_names, {**feeds, **cache.feeds()})
+            cache.replace(outputs[1 + extra :], added=n)
+        rows = outputs[1][0] if extra else None  # [n, h]
+        return outputs[0][0, :, : self.vocab_size], rows  # [n, V]; padded rows dropped
 
-    def _run_in_place(self, feeds: dict[str, np.ndarray], cache: InPlaceKVCache) -> np.ndarray:
-        """One run with each KV buffer bound as both past input and present output."""
+    def _run_in_place(self, feeds: dict[str, np.ndarray], cache: InPlaceKVCache) -> list:
+        """One run with each KV buffer bound as both past input and present output; the
+        logits (and feature rows) as arrays."""
         if cache.binding is None:
-            cache.binding = _CacheBinding(self.session, self.kv_inputs, self.kv_outputs)
+            cache.binding = _CacheBinding(self.session, self.kv_inputs, self.kv_outputs,
+                                          self.output_names[: 2 if self.row_output else 1])
         return cache.binding.run(feeds, cache.buffers)
 
 
@@ -155,20 +187,25 @@ class _CacheBinding:
     share of a small model's step, more the more KV buffers it binds.
     """
 
-    def __init__(self, session: ort.InferenceSession, kv_inputs: list[str], kv_outputs: list[str]):
+    def __init__(self, session: ort.InferenceSession, kv_inputs: list[str], kv_outputs: list[str],
+                 outputs: list[str]):
         self.session, self.kv_names = session, list(zip(kv_inputs, kv_outputs))
+        self.outputs = outputs  # the logits, then a row output if the graph has one
         self.binding = session.io_binding()
         self.buffers: list | None = None  # the OrtValues bound now
 
-    def run(self, feeds: dict[str, np.ndarray], buffers: list) -> np.ndarray:
-        """Logits ``[1, n, vocab]`` of a run on ``feeds`` with ``buffers`` as the KV cache."""
+    def run(self, feeds: dict[str, np.ndarray], buffers: list) -> list[np.ndarray]:
+        """``outputs`` (logits ``[1, n, vocab]``, then feature rows ``[1, n, h]``) of a run on
+        ``feeds`` with ``buffers`` as the KV cache."""
         for name, array in feeds.items():
             self.binding.bind_cpu_input(name, array)
-        self.binding.bind_output("logits", "cpu")  # first bound output: get_outputs()[0]
+        for name in self.outputs:  # bound first: get_outputs()[:len(outputs)]
+            self.binding.bind_output(name, "cpu")
         if buffers is not self.buffers:
             for (past, present), buffer in zip(self.kv_names, buffers):
                 self.binding.bind_ortvalue_input(past, buffer)
                 self.binding.bind_ortvalue_output(present, buffer)
             self.buffers = buffers
         self.session.run_with_iobinding(self.binding)
-        return self.binding.get_outputs()[0].numpy()
+        values = self.binding.get_outputs()
+        return [values[i].numpy() for i in range(len(self.outputs))]

@@ -34,12 +34,14 @@ from edgespec.runtime.stats import GenerationStats
 class TargetRunner:
     """The target's session and cache during one generation; it times its own runs.
 
-    ``stats`` None: untimed (the prefill, timed as a whole).
+    ``stats`` None: untimed (the prefill, timed as a whole). ``drafter``: given the feature
+    rows of every run of a target that outputs them (an EAGLE-3 pair's; ``target_features``).
     """
 
     session: ModelSession
     cache: KVCache | InPlaceKVCache
     stats: GenerationStats | None = None
+    drafter: Drafter | None = None
 
     @classmethod
     def start(cls, session: ModelSession, positions: int | None = None,
@@ -50,8 +52,11 @@ class TargetRunner:
     def run(self, committed: list[int], extra: Sequence[int] = ()) -> np.ndarray:
         """Feed the committed tokens the cache lacks, then ``extra``; logits ``[n, V]``."""
         start = time.perf_counter()
-        logits = self.session.forward(np.array([*committed[self.cache.length :], *extra]),
-                                      self.cache)
+        first = self.cache.length
+        logits, rows = self.session.forward_rows(np.array([*committed[first:], *extra]),
+                                                 self.cache)
+        if rows is not None and self.drafter is not None:
+            self.drafter.target_features(first, rows)
         if self.stats is not None:
             self.stats.target_s += time.perf_counter() - start
             self.stats.target_calls += 1
@@ -229,6 +234,7 @@ def _prefill(target: ModelSession, drafter: Drafter, prompt: list[int], position
     """The target's runner with ``prompt[:-1]`` in its cache, the drafter given the prompt;
     timed as a whole into ``stats.prefill_s``, the runner timing its own runs from then on."""
     target_runner = TargetRunner.start(target, positions)
+    target_runner.drafter = drafter
     with _timed(stats, "prefill_s"):
         if len(prompt) > 1:
             target_runner.run(prompt[:-1])
