@@ -95,7 +95,7 @@ class _HeadBuilder(_Builder):
     def build(self):
         from onnx import TensorProto, helper
 
-        cfg, head = self.config, self.head_config
+        head = self.head_config
         self.eps = head.eps
         (mask_sum,) = self.node("ReduceSum", ["attention_mask", self.weight("axis1", np.array([1]))],
                                 keepdims=0)
@@ -112,7 +112,7 @@ class _HeadBuilder(_Builder):
             self.norm("hidden_norm", EAGLE_FEATURES, "midlayer.hidden_norm.weight")], axis=-1)
         attn = "midlayer.self_attn"
         qkv = self.linear("l0.qkv", z, f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj")
-        context = self.attention(0, qkv, seqlens_k, total_len, cos, sin)
+        context = self.attention(0, [qkv, "", ""], seqlens_k, total_len, cos, sin)  # packed
         o = self.linear("l0.o", context, f"{attn}.o_proj")
         normed, r = self.skip_norm("l0.post_norm", o, EAGLE_FEATURES,
                                    "midlayer.post_attention_layernorm.weight")
