@@ -131,8 +131,8 @@ def test_round_two_summarizes_answers_and_edits_the_code_in_them():
 def test_the_draft_is_assembled_from_its_layers_and_the_targets_embedding():
     """write_draft's assembly on a tiny Llama: the committed state holds the layers and the
     norm only, and the draft rebuilt from it and the target's embedding computes the early
-    exit's logits (a draft whose head was left untied, or whose embedding was not the
-    target's, would not)."""
+    exit's logits (a draft given another embedding table, or a state that left out a layer's
+    weights, would not: ``assemble`` refuses the latter)."""
     torch = pytest.importorskip("torch")
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -152,13 +152,14 @@ def frequent_ids(records: list[dict], vocab_size: int, size: int, always: list[i
 
 
 def teacher_stage(target_path: Path, out: Path, seed: int, sizes: tuple[int, int, int],
-                  new_tokens: int, top_k: int, batch: int) -> list[dict]:
+                  new_tokens: int, top_k: int, batch: int, partial: bool = False) -> list[dict]:
     """The teacher data, saved batch by batch into ``out/teacher.pt``: a second run resumes
-    where the first stopped, and goes straight to training when it is complete."""
+    where the first stopped, and goes straight to training when it is complete (or, with
+    ``partial``, on the batches saved so far)."""
     cached = out / "teacher.pt"
     done = torch.load(cached) if cached.is_file() else []
     expected = 2 * -(-sum(sizes) // batch)
-    if len(done) >= expected:
+    if len(done) >= expected or (partial and done):
         log(f"teacher: reading {cached}")
         return [r for records in done for r in records]
     if done:
@@ -322,13 +323,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--top-k", type=int, default=32)
     parser.add_argument("--batch", type=int, default=16, help="replies generated together")
+    parser.add_argument("--partial", action="store_true",
+                        help="train on the teacher batches saved so far (a budget cut short)")
     parser.add_argument("--teacher-only", action="store_true",
                         help="stop after the teacher data (train later with the same --out)")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
     records = teacher_stage(args.target, args.out, args.seed, tuple(args.prompts),
-                            args.new_tokens, args.top_k, args.batch)
+                            args.new_tokens, args.top_k, args.batch, args.partial)
     if args.teacher_only:
         return
     target, tokenizer = load_target(args.target)
@@ -342,7 +345,10 @@ def main(argv: list[str] | None = None) -> None:
     draft = train(draft, token_ids, train_records, held, args.minutes, args.lr, 4, args.seed,
                   args.out / LAYERS_NAME)
     save_file(trained_state(draft), args.out / LAYERS_NAME)
+    draft.generation_config.eos_token_id = eos[0]
     draft.to(torch.float16).save_pretrained(args.out / "hf", safe_serialization=True)
+    # the GGUF's own ids (transformers' GGUF tokenizer names BOS as EOS too; export/gguf.py)
+    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
     tokenizer.save_pretrained(args.out / "hf")
     log(f"wrote {args.out / LAYERS_NAME}, {args.out / TOKEN_IDS_NAME} and {args.out / 'hf'}")
 
