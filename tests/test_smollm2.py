@@ -191,3 +191,14 @@ def test_the_server_answers_a_chat_request_as_the_library_does(smollm2):
     assert reply.status_code == 200, reply.text
     expected = smollm2.chat(QUESTION, max_new_tokens=24)
     assert reply.json()["choices"][0]["message"]["content"] == expected.text
+
+
+def test_a_package_built_before_its_draft_is_kept_and_told_how_to_rebuild(tmp_path, monkeypatch):
+    """``models build`` over a target-only package (built before the draft existed) keeps it
+    and names --overwrite (a check that read only whether the manifest exists says nothing)."""
+    monkeypatch.setenv("EDGESPEC_MODELS_DIR", str(tmp_path))
+    (tmp_path / "smollm2").mkdir()
+    (tmp_path / "smollm2" / "edgespec.json").write_text(json.dumps({"draft": None}))
+    lines = []
+    assert named.build("smollm2", progress=lines.append) == tmp_path / "smollm2"
+    assert "without its draft model (--overwrite builds the pair)" in lines[0]
