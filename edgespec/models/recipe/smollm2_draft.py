@@ -353,9 +353,6 @@ def main(argv: list[str] | None = None) -> None:
     log(f"wrote {args.out / LAYERS_NAME}, {args.out / TOKEN_IDS_NAME} and {args.out / 'hf'}")
 
 
-if __name__ == "__main__":
-    main()
-
 
 def write_draft(gguf: Path, weights: Path, out: Path) -> np.ndarray:
     """The draft as a Hugging Face folder ``out`` (fp32 weights, the target's tokenizer):
@@ -375,3 +372,7 @@ def write_draft(gguf: Path, weights: Path, out: Path) -> np.ndarray:
     draft.save_pretrained(out, safe_serialization=True)
     ckpt.tokenizer.save_pretrained(out)
     return np.load(weights / TOKEN_IDS_NAME)
+
+
+if __name__ == "__main__":
+    main()
