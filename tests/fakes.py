@@ -34,7 +34,6 @@ class PrefixSession:
     """Logits ``[n, V]`` drawn from a generator seeded by the prefix: a deterministic "model"."""
 
     token_ids = None  # scores the whole vocabulary (not a subset draft)
-    reads_features = False  # not an EAGLE-3 head
 
     def __init__(self, vocab: int, scale: float, salt: int, like: PrefixSession | None = None):
         self.vocab, self.scale, self.salt, self.like = vocab, scale, salt, like
@@ -56,10 +55,6 @@ class PrefixSession:
             cache.tokens.append(t)
             rows.append(self.row(tuple(cache.tokens)))
         return np.stack(rows)
-
-    def forward_rows(self, tokens: np.ndarray, cache: FakeCache, features=None):
-        """ModelSession's: (logits, None), a graph without feature rows."""
-        return self.forward(tokens, cache), None
 
 
 class RandomSchedule:

@@ -111,11 +111,9 @@ def test_adaptive_shortens_k_as_acceptance_falls():
 
 
 class _CountingSession:
-    """A stand-in session that counts its runs (calibrate needs forward_rows, new_cache and
-    reads_features: whether it is an EAGLE-3 head, fed feature rows)."""
+    """A stand-in session that counts its runs (calibrate only needs forward and new_cache)."""
 
     vocab_size = 100
-    reads_features = False
 
     def __init__(self):
         self.runs = []
@@ -127,7 +125,7 @@ class _CountingSession:
 
         return Cache()
 
-    def forward_rows(self, tokens, cache, features=None):
+    def forward(self, tokens, cache):
         self.runs.append(len(tokens))
 
 

@@ -329,7 +329,7 @@ def make_drafter(
     """A fresh drafter for one generation (``name`` as ``resolve_drafter`` gives it; a draft
     model's cache starts with room for ``positions``)."""
     if name == "model":
-        if draft.reads_features:  # an EAGLE-3 head
+        if getattr(draft, "reads_features", False):  # an EAGLE-3 head
             return Eagle3Drafter(draft, stats, positions)
         return ModelDrafter(draft, stats, positions)
     if name == "ngram":

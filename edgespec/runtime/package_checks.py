@@ -141,9 +141,12 @@ def check_probe_run(path: Path, session) -> None:
     cache = session.new_cache(2)
     try:
         for length in (1, 2):
-            features = (np.zeros((1, session.feature_size), np.float32)
-                        if session.reads_features else None)  # an EAGLE-3 head's input
-            logits, _ = session.forward_rows(np.array([0], np.int64), cache, features)  # [1, V]
+            token = np.array([0], np.int64)
+            if getattr(session, "reads_features", False):  # an EAGLE-3 head: zero features
+                features = np.zeros((1, session.feature_size), np.float32)
+                logits, _ = session.forward_rows(token, cache, features)  # [1, V]
+            else:
+                logits = session.forward(token, cache)
             width = session.vocab_size if session.token_ids is None else len(session.token_ids)
             if logits.shape != (1, width):
                 _refuse(path, f"gave logits of shape {list(logits.shape)} for one token, not "

@@ -180,10 +180,12 @@ def calibrate(
     share = budget_s / (kmax + 2)
 
     def run(session: ModelSession, tokens: np.ndarray, cache) -> None:
-        # an EAGLE-3 head reads feature rows: zeros cost what the target's features do
-        features = (np.zeros((len(tokens), session.feature_size), np.float32)
-                    if session.reads_features else None)
-        session.forward_rows(tokens, cache, features)
+        if getattr(session, "reads_features", False):
+            # an EAGLE-3 head reads feature rows: zeros cost what the target's features do
+            features = np.zeros((len(tokens), session.feature_size), np.float32)
+            session.forward_rows(tokens, cache, features)
+        else:
+            session.forward(tokens, cache)
 
     def timed(session: ModelSession, lengths: range) -> list[float]:
         cache = session.new_cache(context + lengths[-1])  # no growth inside the timed runs

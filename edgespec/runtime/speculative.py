@@ -53,10 +53,13 @@ class TargetRunner:
         """Feed the committed tokens the cache lacks, then ``extra``; logits ``[n, V]``."""
         start = time.perf_counter()
         first = self.cache.length
-        logits, rows = self.session.forward_rows(np.array([*committed[first:], *extra]),
-                                                 self.cache)
-        if rows is not None and self.drafter is not None:
-            self.drafter.target_features(first, rows)
+        tokens = np.array([*committed[first:], *extra])
+        if getattr(self.session, "row_output", None) is None:  # no rows: all but EAGLE-3 targets
+            logits = self.session.forward(tokens, self.cache)
+        else:
+            logits, rows = self.session.forward_rows(tokens, self.cache)
+            if self.drafter is not None:
+                self.drafter.target_features(first, rows)
         if self.stats is not None:
             self.stats.target_s += time.perf_counter() - start
             self.stats.target_calls += 1
