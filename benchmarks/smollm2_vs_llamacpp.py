@@ -281,20 +281,17 @@ def cmd_decode(args) -> dict:
 # ----------------------------------------------------------------------------- lookup
 
 
+def lookup_command(bin_dir: Path, gguf_path: str, prompt_text: str, n: int, threads: int,
+                   draft: int, temperature: float = 0.0, seed: int = 1) -> list[str]:
+    return [str(bin_dir / "llama-lookup"), "-m", gguf_path, "-p", prompt_text, "-n", str(n),
+            "-t", str(threads), "--spec-draft-n-max", str(draft), "-c", "2048", "--seed",
+            str(seed), *_llama_sampling(temperature)]
+
+
 def llama_lookup(bin_dir: Path, gguf_path: str, prompt_text: str, n: int, threads: int,
                  draft: int) -> dict:
-    cmd = [str(bin_dir / "llama-lookup"), "-m", gguf_path, "-p", prompt_text, "-n", str(n),
-           "-t", str(threads), "--spec-draft-n-max", str(draft), "--temp", "0", "--top-k", "1",
-           "-c", "2048", "--seed", "1"]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    log = out.stdout + out.stderr
-    if out.returncode != 0:
-        raise SystemExit(f"llama-lookup failed ({out.returncode}):\n{log[-3000:]}")
-
-    def grab(pattern, cast=float):
-        m = re.search(pattern, log)
-        return cast(m.group(1)) if m else None
-
+    grab = _llama_log(lookup_command(bin_dir, gguf_path, prompt_text, n, threads, draft),
+                      "llama-lookup")
     return {"tokens_per_s": grab(r"decoded\s+\d+ tokens in\s+[0-9.]+ seconds, speed:\s+([0-9.]+)"),
             "decoded": grab(r"decoded\s+(\d+) tokens", int),
             "n_drafted": grab(r"n_drafted\s+=\s+(\d+)", int),
@@ -361,7 +358,8 @@ def _llama_sampling(temperature: float) -> list[str]:
     return ["--temp", str(temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0"]
 
 
-def _llama_run(cmd: list[str], name: str) -> dict:
+def _llama_log(cmd: list[str], name: str):
+    """Run a llama.cpp example; a function reading a number from its log (None if absent)."""
     out = subprocess.run(cmd, capture_output=True, text=True)
     log = out.stdout + out.stderr
     if out.returncode != 0:
@@ -371,6 +369,11 @@ def _llama_run(cmd: list[str], name: str) -> dict:
         m = re.search(pattern, log)
         return cast(m.group(1)) if m else None
 
+    return grab
+
+
+def _llama_run(cmd: list[str], name: str) -> dict:
+    grab = _llama_log(cmd, name)
     drafted, accepted = grab(r"n_drafted\s+=\s+(\d+)", int), grab(r"n_accept\s+=\s+(\d+)", int)
     return {"tokens_per_s": grab(r"decoded\s+\d+ tokens in\s+[0-9.]+ seconds, speed:\s+([0-9.]+)"),
             "new_tokens": grab(r"decoded\s+(\d+) tokens", int), "drafted": drafted,
@@ -403,10 +406,8 @@ def cmd_speculative(args) -> dict:
                                              else {}), **{k: [] for k in configs}}
             for repeat in range(args.repeats):
                 seed = args.seed + repeat
-                lookup = [str(bin_dir / "llama-lookup"), "-m", args.gguf, "-p", text, "-n",
-                          str(args.n), "-t", str(args.threads), "--spec-draft-n-max",
-                          str(args.draft), "-c", "2048", "--seed", str(seed),
-                          *_llama_sampling(temperature)]
+                lookup = lookup_command(bin_dir, args.gguf, text, args.n, args.threads,
+                                        args.draft, temperature, seed)
                 runs["llamacpp_lookup"].append(_llama_run(lookup, "llama-lookup"))
                 if args.draft_gguf:
                     runs["llamacpp_speculative"].append(llama_speculative(
