@@ -97,13 +97,7 @@ class _HeadBuilder(_Builder):
 
         head = self.head_config
         self.eps = head.eps
-        (mask_sum,) = self.node("ReduceSum", ["attention_mask", self.weight("axis1", np.array([1]))],
-                                keepdims=0)
-        (total64,) = self.node("Sub", [mask_sum, self.weight("one64", np.array([1]))])
-        (seqlens_k,) = self.node("Cast", [total64], to=TensorProto.INT32)
-        (shape,) = self.node("Shape", ["attention_mask"])
-        (total_len64,) = self.node("Gather", [shape, self.weight("idx1", np.array(1))], axis=0)
-        (total_len,) = self.node("Cast", [total_len64], to=TensorProto.INT32)
+        seqlens_k, total_len = self.attention_lengths()
         cos, sin = self.rotary_caches(head.head_dim)
 
         embedded, _ = self.embedding()

@@ -294,14 +294,7 @@ class _Builder:
         kv_heads, head_dim = cfg.num_key_value_heads, head_dim_of(cfg)
         layers = cfg.num_hidden_layers
 
-        # seqlens_k = (tokens covered after this run) - 1; total = that count, both int32
-        (mask_sum,) = self.node("ReduceSum", ["attention_mask", self.weight("axis1", np.array([1]))],
-                                keepdims=0)
-        (total64,) = self.node("Sub", [mask_sum, self.weight("one64", np.array([1]))])
-        (seqlens_k,) = self.node("Cast", [total64], to=TensorProto.INT32)
-        (shape,) = self.node("Shape", ["attention_mask"])
-        (total_len64,) = self.node("Gather", [shape, self.weight("idx1", np.array(1))], axis=0)
-        (total_len,) = self.node("Cast", [total_len64], to=TensorProto.INT32)
+        seqlens_k, total_len = self.attention_lengths()
         cos, sin = self.rotary_caches(head_dim)
 
         x, table = self.embedding()
@@ -505,6 +498,20 @@ class _Builder:
                 axis=-1, epsilon=float(self.eps))
             normed.append(self.node("Reshape", [x, joined])[0])  # [1, S, heads * D]
         return [*normed, v]
+
+    def attention_lengths(self) -> tuple[str, str]:
+        """GroupQueryAttention's lengths from attention_mask [1, total]: seqlens_k = (tokens
+        covered after this run) - 1 and total_sequence_length = total, both int32."""
+        from onnx import TensorProto
+
+        (mask_sum,) = self.node("ReduceSum", ["attention_mask", self.weight("axis1", np.array([1]))],
+                                keepdims=0)
+        (total64,) = self.node("Sub", [mask_sum, self.weight("one64", np.array([1]))])
+        (seqlens_k,) = self.node("Cast", [total64], to=TensorProto.INT32)
+        (shape,) = self.node("Shape", ["attention_mask"])
+        (total_len64,) = self.node("Gather", [shape, self.weight("idx1", np.array(1))], axis=0)
+        (total_len,) = self.node("Cast", [total_len64], to=TensorProto.INT32)
+        return seqlens_k, total_len
 
     def attention(self, i: int, qkv: list[str], seqlens_k: str, total_len: str, cos: str,
                   sin: str) -> str:
