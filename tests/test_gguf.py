@@ -365,6 +365,24 @@ def test_a_gguf_pair_quantized_draft_is_exact(files, tmp_path):
     assert result.token_ids == baseline and result.stats.drafted > 0
 
 
+def test_a_gguf_target_takes_an_eagle3_head(files, tmp_path):
+    """A head beside a GGUF target: its graph reads the file's embedding (dequantized, the
+    reference's), validates against PyTorch, and greedy output with it is target-only's."""
+    from edgespec.export.eagle3 import write_random_head
+    from edgespec.export.gguf import read_gguf_checkpoint
+
+    config = read_gguf_checkpoint(files["llama"], "target").config
+    head = write_random_head(tmp_path / "head", config, draft_vocab=200, seed=2,
+                             aux_layers=(0, 1, 1), init=0.05)
+    manifest = export_pair(files["llama"], head, tmp_path / "pair")
+    assert manifest.draft.architecture == "eagle3"
+    pipe = edgespec.load(tmp_path / "pair")
+    prompt = "for i in range(10):\n    print(i * i)\n"
+    baseline = pipe.generate(prompt, max_new_tokens=24, drafter="none").token_ids
+    result = pipe.generate(prompt, max_new_tokens=24, draft_length=3, schedule="fixed")
+    assert result.token_ids == baseline and result.stats.drafted > 0
+
+
 def test_a_gguf_target_fixed_to_int8_compute_repacks_its_8_bit_blocks(files, tmp_path):
     """target_compute int8 (the user's choice, which the manifest states): the Q8_0 tied table
     and o_proj become 8-bit MatMulNBits (the table also gathered from those blocks), not fp32;

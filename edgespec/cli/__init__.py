@@ -2,7 +2,7 @@
 
     base.py      the group, signals and exit codes, library errors as one line, the extras
     generate.py  export, generate
-    models.py    models (list, build NAME, build-demo)
+    models.py    models (list, build NAME, build-demo), distill (an EAGLE-3 head)
     bench.py     bench
     chat.py      chat
     serve.py     serve

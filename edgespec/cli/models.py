@@ -85,3 +85,40 @@ def build_demo(out: Path, target_minutes: float | None, draft_minutes: float | N
         f"draft greedy agreement {report['greedy_agreement']:.0%}",
         err=True,
     )
+
+
+@main.command("distill")
+@click.option("--target", required=True, type=click.Path(exists=True, path_type=Path),
+              help="The target: a Hugging Face folder or a .gguf file.")
+@click.option("--out", required=True, type=click.Path(path_type=Path),
+              help="Folder of the head (created; a second run with the same --out resumes).")
+@click.option("--data", type=click.Choice(["chat", "code"]), default="chat", show_default=True,
+              help="What the target writes to learn from: answers to chat prompts, or "
+                   "continuations of this Python's standard library (the demo's corpus).")
+@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=20.0,
+              show_default=True, help="Training budget (the target's texts come first).")
+@click.option("--draft-vocab", type=click.IntRange(1), default=8192, show_default=True,
+              help="Tokens the head scores: the most frequent in the target's texts.")
+@click.option("--steps", type=click.IntRange(1, 8), default=3, show_default=True,
+              help="Training-time-test steps: how many chained drafts the loss covers.")
+@click.option("--prompts", type=click.IntRange(1), nargs=3, default=(300, 72, 96),
+              show_default=True, help="--data chat: questions, write-a-function and edit "
+                                      "prompts (a second round asks as many over the answers).")
+@click.option("--tokens", type=click.IntRange(1000), default=150_000, show_default=True,
+              help="--data code: tokens of continuations.")
+@click.option("--aux-layers", type=click.IntRange(0), nargs=3,
+              help="Target layers whose input streams the head reads [default: 2, L/2, L-3].")
+@click.option("--seed", default=0, show_default=True)
+@user_errors
+def distill(target: Path, out: Path, data: str, minutes: float, draft_vocab: int, steps: int,
+            prompts: tuple[int, int, int], tokens: int, aux_layers: tuple[int, ...] | None,
+            seed: int) -> None:
+    """Train an EAGLE-3 draft head for TARGET on its own texts, on this machine (needs the
+    export extra); then: edgespec export --target TARGET --draft OUT --out PACKAGE."""
+    recipe = needs_export_extra("edgespec.models.recipe.eagle3_distill")
+
+    def report(line: str) -> None:
+        click.echo(line, err=True)
+
+    recipe.distill(target, out, data, minutes, draft_vocab, steps, prompts, tokens,
+                   seed=seed, aux_layers=aux_layers or None, report=report)

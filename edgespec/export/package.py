@@ -171,8 +171,11 @@ def export_pair(
                                             report, target_compute, token_ids, eagle_fc)
         if head is not None:
             with report.step(f"exporting and validating the EAGLE-3 head ({head.path})"):
-                specs["draft"] = export_head(head, CheckpointTensors(target_ckpt.path), tmp,
-                                             variants["draft"], validation, report.detail)
+                target_tensors = (GGUFTensors(target_ckpt.path, meta_model(target_ckpt.config))
+                                  if isinstance(target_ckpt, GGUFCheckpoint)
+                                  else CheckpointTensors(target_ckpt.path))
+                specs["draft"] = export_head(head, target_tensors, tmp, variants["draft"],
+                                             validation, report.detail)
         with report.step("writing tokenizer and manifest"):
             defaults, ignored = target_ckpt.sampling_defaults
             if defaults:
@@ -191,7 +194,8 @@ def _eagle3_head(draft: str | Path | None, target: Checkpoint, graph: str, dtype
 
     A head reads the target's fused graph's eagle_features output: optimum's graphs have no
     such output, so a target exported with optimum (asked, or not a Llama-family model) is
-    refused, as are fp16 graphs, GGUF targets and draft_vocab (a head has its own vocabulary).
+    refused, as are fp16 graphs, targets without safetensors or GGUF files (the head's graph
+    reads their embedding a tensor at a time) and draft_vocab (a head has its own vocabulary).
     """
     if draft is None or not is_eagle3_head(Path(draft)):
         return None
@@ -201,11 +205,12 @@ def _eagle3_head(draft: str | Path | None, target: Checkpoint, graph: str, dtype
                           f"edgespec's fused target graph outputs, and "
                           f"{reason or 'optimum was asked for'}; drop --graph optimum or "
                           "pair the target with a draft model")
-    if dtype != "fp32" or draft_vocab is not None or not safetensors_files(target.path):
+    readable = isinstance(target, GGUFCheckpoint) or safetensors_files(target.path)
+    if dtype != "fp32" or draft_vocab is not None or not readable:
         raise ExportError("an EAGLE-3 head is exported beside an fp32 (or quantized) target "
-                          "from safetensors, without --draft-vocab (the head has its own "
-                          "vocabulary); drop --dtype fp16 / --draft-vocab, or convert the "
-                          "target to safetensors")
+                          "from safetensors or a GGUF file, without --draft-vocab (the head "
+                          "has its own vocabulary); drop --dtype fp16 / --draft-vocab, or "
+                          "convert the target to safetensors")
     return read_head_config(Path(draft), target.config)
 
 

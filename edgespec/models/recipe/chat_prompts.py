@@ -112,6 +112,12 @@ def _user(kind: str, content: str) -> dict:
     return {"kind": kind, "messages": [{"role": "user", "content": content}]}
 
 
+def first_round_sizes() -> tuple[int, int, int]:
+    """How many distinct prompts of each kind first_round can draw."""
+    return (len(QUESTIONS) * len(TOPICS), len(WRITE_FUNCTION) * len(FUNCTIONS),
+            len(EDITS) * len(SNIPPETS))
+
+
 def first_round(seed: int, questions: int, functions: int, edits: int) -> list[dict]:
     """Round 1: ``questions`` open questions, ``functions`` requests for a Python function,
     ``edits`` edit requests over SNIPPETS; each a ``{"kind", "messages"}`` record, in a seeded

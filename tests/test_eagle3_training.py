@@ -1,0 +1,160 @@
+"""Training EAGLE-3 heads (models/recipe/eagle3_head.py): the training-time-test unroll is the
+runtime's chain, row for row, and a short training run writes a head that exports, raises the
+held-out acceptance, and resumes from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import llama  # noqa: E402
+
+from edgespec.export.eagle3 import Eagle3Head, HeadTensors, aux_features, read_head_config  # noqa: E402
+from edgespec.models.recipe.eagle3_head import (  # noqa: E402
+    Example,
+    TrainableHead,
+    TrainSettings,
+    _shift,
+    head_config,
+    train_head,
+    write_head,
+)
+
+SEQ = 14
+
+
+@pytest.fixture(scope="module")
+def target():
+    return llama(200, 64, 4, seed=5, init=0.1)
+
+
+@pytest.fixture(scope="module")
+def trainable(target, tmp_path_factory):
+    config = head_config(target.config, tmp_path_factory.mktemp("head"), draft_vocab=200)
+    torch.manual_seed(0)
+    head = TrainableHead(config, target.model.embed_tokens.weight.detach())
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # norms off 1, so a swapped norm shows
+    return head.eval()
+
+
+def _inputs(target, config, seed=0):
+    ids = torch.from_numpy(np.random.default_rng(seed).integers(0, 200, SEQ))[None]
+    return ids, aux_features(target, ids, config)
+
+
+def _chain(reference, ids, aux, begin, steps):
+    """The runtime's chain (Eagle3Drafter): true rows 0..begin in the cache, then rows
+    begin+1..begin+steps each fed the row before's hidden_out. Returns the final hidden states
+    (normed) of rows begin..begin+steps."""
+    rows = torch.arange(begin + 1)
+    logits, hidden, cache = reference(ids[:, 1 : begin + 2], aux[:, rows], rows[None])
+    states = [reference.norm(hidden[:, -1])]
+    for row in range(begin + 1, begin + steps + 1):
+        logits, hidden, cache = reference(ids[:, row + 1 : row + 2], hidden[:, -1:],
+                                          torch.tensor([[row]]), cache)
+        states.append(reference.norm(hidden[:, -1]))
+    return states
+
+
+def test_unroll_step_s_is_the_runtime_chain_after_s_own_rows(target, trainable):
+    """Row t at step s of the unroll equals the reference head run as the drafter runs it:
+    true rows 0..t-s cached, then s chain rows. Wrong variants fail it: attending to every
+    true row up to t (no chain start), or feeding the chain the row's own hidden state."""
+    config = trainable.config
+    ids, aux = _inputs(target, config)
+    steps = 4
+    outputs = trainable.unroll(ids, aux, steps)
+    for begin in (0, 3, SEQ - 2 - steps):
+        chain = _chain(trainable, ids, aux, begin, steps - 1)
+        for s in range(steps):
+            torch.testing.assert_close(outputs[s][:, begin + s], chain[s], atol=1e-5,
+                                       rtol=1e-4)
+    # the row computed as a true row (no chain: every row before it read target features)
+    full = trainable(ids[:, 1:], aux[:, :-1], torch.arange(SEQ - 1)[None])  # every row true
+    assert not torch.allclose(outputs[2][:, 7], trainable.norm(full[1][:, 7]), atol=1e-3)
+
+
+def test_unroll_rejects_a_chain_that_forgets_its_own_rows(target, trainable, monkeypatch):
+    """The same comparison with the unroll's chain keys dropped (each step attends only to
+    the true rows before its chain) must fail: the test can tell."""
+    import edgespec.models.recipe.eagle3_head as module
+
+    config = trainable.config
+    ids, aux = _inputs(target, config, seed=1)
+    real = module._shift
+
+    def drop_chain(x, by, dim=2):
+        return real(x, by, dim) if dim == 1 else torch.zeros_like(x)
+
+    monkeypatch.setattr(module, "_shift", drop_chain)
+    outputs = trainable.unroll(ids, aux, 3)
+    monkeypatch.setattr(module, "_shift", real)
+    chain = _chain(trainable, ids, aux, 4, 2)
+    torch.testing.assert_close(outputs[0][:, 4], chain[0], atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(outputs[2][:, 6], chain[2], atol=1e-3)
+
+
+def test_shift_moves_rows_later():
+    x = torch.arange(4.0).view(1, 1, 4, 1)
+    assert _shift(x, 1).flatten().tolist() == [0.0, 0.0, 1.0, 2.0]
+    assert _shift(x, 0) is x
+
+
+def _examples(target, config, count, seed):
+    """Texts the target wrote itself (greedy, from random two-token prompts) with its top-8."""
+    rng = np.random.default_rng(seed)
+    examples = []
+    for _ in range(count):
+        prompt = torch.from_numpy(rng.integers(0, 200, 2))[None]
+        with torch.no_grad():
+            ids = target.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                  max_new_tokens=22, do_sample=False, pad_token_id=0)
+            logp = torch.log_softmax(target(ids).logits[0].float(), -1)
+        top_logp, top_ids = logp[1:-1].topk(8, -1)  # rows 1.. predict ids[2..]
+        examples.append(Example(ids[0], 2, top_ids.to(torch.int32), top_logp.half(),
+                                aux_features(target, ids, config)[0].half()))
+    return examples
+
+
+def test_training_raises_acceptance_writes_a_head_and_resumes(target, tmp_path):
+    """A minute-scale run on the target's own texts: held-out sum min(p, q) rises at every
+    step, the head reads back in the published format (its reference equals the trained
+    module), and a second run resumes from the saved state instead of starting again."""
+    out = tmp_path / "head"
+    token_ids = np.arange(0, 200, dtype=np.int32)
+    config = head_config(target.config, out, len(token_ids))
+    torch.manual_seed(0)
+    head = TrainableHead(config, target.model.embed_tokens.weight.detach())
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight)
+    train = _examples(target, config, 48, seed=1)
+    held = _examples(target, config, 8, seed=2)
+    lines = []
+    settings = TrainSettings(minutes=5, lr=1e-2, batch=8, steps=3, max_steps=30)
+    report = train_head(head, token_ids, train, held, settings, tmp_path / "state.pt",
+                        lines.append)
+    before, after = report["heldout_min_pq_before"], report["heldout_min_pq_after"]
+    assert all(a > 1.5 * b for a, b in zip(after, before)), (before, after)
+    write_head(out, head, token_ids, report)
+    assert json.loads((out / "training_report.json").read_text())["steps"] == report["steps"]
+
+    read = read_head_config(out, target.config)
+    assert read.aux_layers == config.aux_layers and read.draft_vocab == 200
+    reference = Eagle3Head.load(read, HeadTensors(read), target.model.embed_tokens.weight)
+    ids, aux = _inputs(target, read)
+    logits, _, _ = reference(ids[:, 1:], aux[:, :-1], torch.arange(SEQ - 1)[None])
+    trained = head.lm_head(head.eval().unroll(ids, aux, 1)[0])
+    torch.testing.assert_close(logits, trained, atol=1e-4, rtol=1e-4)
+
+    resumed = []
+    again = TrainableHead(config, target.model.embed_tokens.weight.detach())
+    report2 = train_head(again, token_ids, train, held, TrainSettings(minutes=5, lr=1e-2, max_steps=36),
+                         tmp_path / "state.pt", resumed.append)
+    assert resumed[0].startswith(f"train: resuming at step {report['steps']}")
+    assert report2["steps"] == 36
