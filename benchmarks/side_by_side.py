@@ -18,7 +18,8 @@ are medians over every timed run of every repeat):
 - edgespec: ``edgespec export`` of the pair, one package per --edgespec-variant (default fp32:
   fp32 target + int4 draft; int4: both int4), timed through ``edgespec.load(PKG)`` and
   ``pipe.target.forward`` / ``pipe.draft.forward`` with the runtime's own caches, sessions as
-  edgespec sets them (target spinning, draft not);
+  edgespec sets them (target spinning, draft not); with --eagle-head, also the int4 target
+  with that EAGLE-3 head as its draft (the head paired with that target only);
 - onnxruntime-genai: graphs by its 0.15.2 model builder (fp32, int4 accuracy level 4), timed by
   the 0.18 runtime (benchmarks/peer_genai_steps.py);
 - llama.cpp: built from source; convert_hf_to_gguf.py f32, llama-quantize q8_0 and q4_0, timed
@@ -233,14 +234,20 @@ def time_edgespec(argv: list[str]) -> None:
     ids = np.random.default_rng(args.seed).integers(0, pipe.manifest.vocab_size,
                                                     args.context + longest)
     cache = session.new_cache(args.context + longest)
+
+    def forward(tokens, cache):  # an EAGLE-3 head's rows each read a feature row (zeros here)
+        if not session.reads_features:
+            return session.forward(tokens, cache)
+        features = np.zeros((len(tokens), session.feature_size), np.float32)
+        return session.forward_rows(tokens, cache, features)[0]
     start = time.perf_counter()
-    session.forward(ids[: args.context], cache)
+    forward(ids[: args.context], cache)
     prefill_ms = 1e3 * (time.perf_counter() - start)
     times: dict[str, list[float]] = {str(n): [] for n in lengths}
     for step in range(args.steps + 1):  # step 0 pays for allocations: not kept
         for n in lengths:
             start = time.perf_counter()
-            logits = session.forward(ids[args.context : args.context + n], cache)
+            logits = forward(ids[args.context : args.context + n], cache)
             elapsed = 1e3 * (time.perf_counter() - start)
             if logits.shape[0] != n:
                 sys.exit(f"error: {logits.shape[0]} rows of logits for a run of {n} tokens")
@@ -307,6 +314,16 @@ def prepare(args) -> tuple[list[Job], dict]:
                 "exported_at": record.get("edgespec_commit"),
                 "manifest": manifest_fields(package)}
             add("edgespec", variant, str(package), str(package))
+        if args.eagle_head:  # the int4 target with the head as its draft
+            package = pair.with_name("edgespec-eagle3") / HEAD_VARIANT
+            record = export_edgespec(target, args.eagle_head, HEAD_VARIANT,
+                                     ["--quantize", "int4", *extra], package, args)
+            made["edgespec"]["packages"][HEAD_VARIANT] = {
+                "package": str(package), "export_command": shlex.join(record["command"]),
+                "export_seconds": record.get("seconds"), "cached": record["cached"],
+                "exported_at": record.get("edgespec_commit"),
+                "manifest": manifest_fields(package)}
+            add("edgespec", HEAD_VARIANT, str(package), str(package))
 
     if "onnxruntime-genai" in args.engines:
         print("onnxruntime-genai:", flush=True)
@@ -370,6 +387,13 @@ def model_bytes(job: Job) -> int:
                not p.name.startswith(("peer_", "tokenizer", "special_tokens")))
 
 
+def pairs(target_variant: str, draft_variant: str) -> bool:
+    """A head drafts for its own package's target only (it reads that graph's features); the
+    draft models of an engine pair with each of its targets but the head's."""
+    head = HEAD_VARIANT in (target_variant, draft_variant)
+    return target_variant == draft_variant if head else True
+
+
 def figures(jobs: list[Job], kmax: int) -> dict:
     """Medians per job; v(k); expected speedups of each target with each draft of its engine."""
     rows: dict = {"targets": [], "drafts": [], "speedups": []}
@@ -393,7 +417,8 @@ def figures(jobs: list[Job], kmax: int) -> dict:
             options = [{"draft_variant": d["variant"], "draft_threads": d["threads"],
                         "draft_ms": d["ms"][1],
                         **best_k(alpha, d["ms"][1], target["ms"], kmax)}
-                       for d in rows["drafts"] if d["engine"] == target["engine"]]
+                       for d in rows["drafts"] if d["engine"] == target["engine"]
+                       and pairs(target["variant"], d["variant"])]
             if options:
                 best = max(options, key=lambda o: o["speedup"])
                 rows["speedups"].append({"engine": target["engine"],
@@ -512,6 +537,9 @@ def markdown(results: dict) -> str:
 # --- command line --------------------------------------------------------------------------------
 
 
+HEAD_VARIANT = "int4-eagle3"  # --eagle-head's package: the target int4 with the head
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["_time-edgespec"]:
         time_edgespec(argv[1:])
@@ -547,6 +575,9 @@ def main(argv: list[str]) -> None:
                         help="an edgespec package to export and time: NAME=export arguments "
                              "(repeatable; default: fp32='--draft-quantize int4' and "
                              "int4='--quantize int4')")
+    parser.add_argument("--eagle-head", type=Path,
+                        help="an EAGLE-3 head for --target: edgespec also times the int4 target "
+                             f"with it ({HEAD_VARIANT}; the head pairs with that target only)")
     parser.add_argument("--edgespec-export-args", default="",
                         help="more edgespec export arguments for every variant, e.g. "
                              "'--target-compute int8'")

@@ -127,6 +127,29 @@ def test_head_graph_matches_the_reference(target, head, tmp_path, bits):
                       tolerance=1e-6)
 
 
+def test_a_norm_before_residual_head_adds_the_normed_feature(target, head, tmp_path):
+    """A head whose config says norm_before_residual (SpecForge's option) adds RMSNorm_hidden(g)
+    after attention instead of g: its graph matches its reference, and the reference reading
+    the same weights without the flag is a different function (so the check can fail)."""
+    from edgespec.export.eagle3_graph import build_head_graph, validate_head
+
+    model, folder = target
+    _, _, plain = head
+    flagged = _broken_copy(head[0].path, tmp_path,
+                           edit_config=lambda c: c.update(norm_before_residual=True))
+    config = read_head_config(flagged, model.config)
+    assert config.norm_before_residual
+    tensors = HeadTensors(config)
+    reference = Eagle3Head.load(config, tensors, model.model.embed_tokens.weight.detach())
+    build_head_graph(config, tensors, CheckpointTensors(folder), tmp_path / "h")
+    ids, features = _inputs(model, config)
+    g = reference.fc(features)[0].numpy()
+    figures = validate_head(tmp_path / "h" / "model.onnx", reference, ids[0].numpy(), g)
+    assert figures["max_abs_logits"] < 1e-3
+    with pytest.raises(ExportError, match="differs from PyTorch"):
+        validate_head(tmp_path / "h" / "model.onnx", plain, ids[0].numpy(), g)
+
+
 def _broken_copy(head_folder, tmp_path, edit_weights=None, edit_config=None):
     from safetensors.torch import load_file, save_file
 

@@ -20,6 +20,8 @@ from edgespec.runtime.drafters import Eagle3Drafter, make_drafter
 
 torch = pytest.importorskip("torch")
 
+from edgespec.export.eagle3 import aux_features  # noqa: E402  (needs torch)
+
 T1 = SamplingConfig(temperature=1.0)
 PROMPT = "a b c"
 AUX = (0, 1, 1)  # two-layer targets: the default (2, L // 2, L - 3) needs six layers
@@ -49,20 +51,27 @@ def eagle(checkpoints, tmp_path_factory):
     return made
 
 
-def test_the_head_runs_as_the_pytorch_reference_reads_its_rows(eagle):
-    """The first proposal is the reference's row c-2 on (x_1..x_{c-1}, the target's aux
-    streams of positions 0..c-2); the next is row c-1 on (the draft, the head's own
-    hidden_out). A drafter feeding row j the token x_j instead of x_{j+1} fails this."""
+def _reference(made):
+    """(the package's pipeline, the PyTorch target, the head's config, its PyTorch reference)."""
     from transformers import AutoModelForCausalLM
 
-    from edgespec.export.eagle3 import Eagle3Head, HeadTensors, aux_features, read_head_config
-    from edgespec.runtime.stats import GenerationStats
+    from edgespec.export.eagle3 import Eagle3Head, HeadTensors, read_head_config
 
-    pipe, head_folder, target_folder = eagle["llama"]
+    pipe, head_folder, target_folder = made
     model = AutoModelForCausalLM.from_pretrained(target_folder).eval()
     config = read_head_config(head_folder, model.config)
     reference = Eagle3Head.load(config, HeadTensors(config),
                                 model.model.embed_tokens.weight.detach())
+    return pipe, model, config, reference
+
+
+def test_the_head_runs_as_the_pytorch_reference_reads_its_rows(eagle):
+    """The first proposal is the reference's row c-2 on (x_1..x_{c-1}, the target's aux
+    streams of positions 0..c-2); the next is row c-1 on (the draft, the head's own
+    hidden_out). A drafter feeding row j the token x_j instead of x_{j+1} fails this."""
+    from edgespec.runtime.stats import GenerationStats
+
+    pipe, model, config, reference = _reference(eagle["llama"])
     ids = pipe.encode("def add(a, b):\n    return")
     drafter = make_drafter("model", pipe.draft, edgespec.GenerationConfig(),
                            GenerationStats(speculative=True), positions=64)
@@ -90,16 +99,9 @@ def test_after_verification_the_head_reruns_the_committed_rows_on_target_feature
     hidden_out), the target accepts one and replaces the next: the head's next proposal, row
     c, is the reference's on the target's features of every position 0..c. A drafter that
     keeps its chain rows after the rollback (reads row c-1's hidden_out-based keys) fails."""
-    from transformers import AutoModelForCausalLM
-
-    from edgespec.export.eagle3 import Eagle3Head, HeadTensors, aux_features, read_head_config
     from edgespec.runtime.stats import GenerationStats
 
-    pipe, head_folder, target_folder = eagle["llama"]
-    model = AutoModelForCausalLM.from_pretrained(target_folder).eval()
-    config = read_head_config(head_folder, model.config)
-    reference = Eagle3Head.load(config, HeadTensors(config),
-                                model.model.embed_tokens.weight.detach())
+    pipe, model, config, reference = _reference(eagle["llama"])
     ids = pipe.encode("import numpy as np\nx =")
     c = len(ids)
     drafter = make_drafter("model", pipe.draft, edgespec.GenerationConfig(),

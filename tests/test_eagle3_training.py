@@ -158,3 +158,22 @@ def test_training_raises_acceptance_writes_a_head_and_resumes(target, tmp_path):
                          tmp_path / "state.pt", resumed.append)
     assert resumed[0].startswith(f"train: resuming at step {report['steps']}")
     assert report2["steps"] == 36
+
+
+def test_distill_refuses_bad_input_in_one_line_and_touches_nothing(checkpoints, tmp_path):
+    from click.testing import CliRunner
+
+    from edgespec.cli import main
+
+    target = str(checkpoints["llama_target"])
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    result = CliRunner().invoke(main, ["distill", "--target", target, "--out", str(mine)])
+    assert result.exit_code == 1 and "is not a head being distilled" in result.output
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    fresh = tmp_path / "fresh"
+    result = CliRunner().invoke(main, ["distill", "--target", target, "--out", str(fresh),
+                                       "--prompts", "9999", "1", "1"])
+    assert result.exit_code == 1 and "at most 680 72 128" in result.output
+    assert not fresh.exists()

@@ -21,7 +21,9 @@ The maths of one row (position j, token x, feature g [h]):
     g = fc(cat(a_0, a_1, a_2))          a_i: the target's residual stream entering layer
                                         aux[i] (Hugging Face's hidden_states[aux[i]])
     z = cat(RMSNorm_in(emb(x)), RMSNorm_hidden(g))           [2h]
-    r = g + o_proj(attention(q, k, v of z, rotary at j))    residual: the un-normed g
+    r = g + o_proj(attention(q, k, v of z, rotary at j))    residual: the un-normed g (the
+                                        normed one, RMSNorm_hidden(g), for a head whose config
+                                        says norm_before_residual, as SpecForge trains some)
     r = r + mlp(RMSNorm_post(r))
     logits = lm_head(RMSNorm_final(r))  [draft_vocab];  hidden_out = r  [h]
 
@@ -77,6 +79,7 @@ class HeadConfig:
     draft_vocab: int  # rows of the head's lm_head
     aux_layers: tuple[int, int, int]  # target layers whose input residual streams feed fc
     rope: dict  # rope_theta, rope_scaling, max_position_embeddings (the head's rotary)
+    norm_before_residual: bool = False  # the residual is RMSNorm_hidden(g), not g
 
     def llama_config(self):
         """A transformers LlamaConfig of the head's layer (for its rotary embedding)."""
@@ -128,8 +131,6 @@ def read_head_config(folder: Path, target_config) -> HeadConfig:
     if raw.get("num_hidden_layers", 1) != 1:
         problems.append(f"num_hidden_layers is {raw['num_hidden_layers']}; edgespec runs "
                         "one-layer EAGLE-3 heads")
-    if raw.get("norm_before_residual"):
-        problems.append("norm_before_residual heads are not supported")
     if problems:
         raise ExportError(f"{folder} is not an EAGLE-3 head for this target: "
                           + "; ".join(problems))
@@ -141,7 +142,8 @@ def read_head_config(folder: Path, target_config) -> HeadConfig:
         kv_heads=raw.get("num_key_value_heads") or heads,
         head_dim=raw.get("head_dim") or hidden // heads,
         intermediate=raw["intermediate_size"], eps=float(raw.get("rms_norm_eps", 1e-6)),
-        vocab=vocab, draft_vocab=draft_vocab, aux_layers=tuple(aux), rope=rope)
+        vocab=vocab, draft_vocab=draft_vocab, aux_layers=tuple(aux), rope=rope,
+        norm_before_residual=bool(raw.get("norm_before_residual", False)))
 
 
 class HeadTensors:
@@ -300,7 +302,8 @@ class Eagle3Head(nn.Module):
         """
         cfg = self.config
         g = self.fc(features) if features.shape[-1] == 3 * cfg.hidden else features
-        z = torch.cat([self.input_norm(self.embedding[input_ids]), self.hidden_norm(g)], -1)
+        hidden = self.hidden_norm(g)
+        z = torch.cat([self.input_norm(self.embedding[input_ids]), hidden], -1)
         s, d = input_ids.shape[1], cfg.head_dim
         q = self.q(z).view(1, s, cfg.heads, d).transpose(1, 2)  # [1, heads, s, d]
         k = self.k(z).view(1, s, cfg.kv_heads, d).transpose(1, 2)
@@ -316,7 +319,7 @@ class Eagle3Head(nn.Module):
         allowed = torch.arange(past + s)[None, :] <= (past + torch.arange(s))[:, None]
         scores = scores.masked_fill(~allowed, float("-inf"))
         context = (scores.softmax(-1) @ values).transpose(1, 2).reshape(1, s, cfg.heads * d)
-        r = g + self.o(context)
+        r = (hidden if cfg.norm_before_residual else g) + self.o(context)
         x = self.post_norm(r)
         r = r + self.down(nn.functional.silu(self.gate(x)) * self.up(x))
         return self.lm_head(self.norm(r)), r, (k, v)

@@ -8,7 +8,8 @@ The graph is the fused builder's (export/fused.py) operators for one layer, fed 
              past_key_values.0.key/value [1, kv_heads, P, head_dim]
     z        = Concat(RMSNorm_in(Gather(embedding, input_ids)), RMSNorm_hidden(eagle_features))
              -> MatMul(q|k|v) -> GroupQueryAttention (rotary, causal, KV cache) -> MatMul(o)
-    r        = SkipSimplifiedLayerNormalization(o, eagle_features)  (residual: the un-normed g)
+    r        = SkipSimplifiedLayerNormalization(o, eagle_features)  (residual: the un-normed g;
+             RMSNorm_hidden(g) for a head with norm_before_residual)
              -> MatMul(gate|up) -> SiLU * up -> MatMul(down) -> Skip...Norm(down, r)
     outputs  logits [1, S, draft_vocab], hidden_out [1, S, h] (the residual after the MLP,
              fed back as the next row's eagle_features while drafting), present.0.key/value
@@ -101,14 +102,15 @@ class _HeadBuilder(_Builder):
         cos, sin = self.rotary_caches(head.head_dim)
 
         embedded, _ = self.embedding()
+        hidden = self.norm("hidden_norm", EAGLE_FEATURES, "midlayer.hidden_norm.weight")
         (z,) = self.node("Concat", [
-            self.norm("in_norm", embedded, "midlayer.input_layernorm.weight"),
-            self.norm("hidden_norm", EAGLE_FEATURES, "midlayer.hidden_norm.weight")], axis=-1)
+            self.norm("in_norm", embedded, "midlayer.input_layernorm.weight"), hidden], axis=-1)
         attn = "midlayer.self_attn"
         qkv = self.linear("l0.qkv", z, f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj")
         context = self.attention(0, [qkv, "", ""], seqlens_k, total_len, cos, sin)  # packed
         o = self.linear("l0.o", context, f"{attn}.o_proj")
-        normed, r = self.skip_norm("l0.post_norm", o, EAGLE_FEATURES,
+        residual = hidden if head.norm_before_residual else EAGLE_FEATURES
+        normed, r = self.skip_norm("l0.post_norm", o, residual,
                                    "midlayer.post_attention_layernorm.weight")
         down = self.mlp(0, normed, "midlayer.mlp")
         normed, r = self.skip_norm("final_norm", down, r, "norm.weight")

@@ -104,7 +104,8 @@ class TrainableHead(Eagle3Head):
         t = torch.arange(rows)
         keys, values, outputs = [], [], []
         for step in range(steps):
-            z = torch.cat([emb, self.hidden_norm(g)], -1)
+            hidden = self.hidden_norm(g)
+            z = torch.cat([emb, hidden], -1)
             q = _rotate(self.q(z).view(b, rows, heads, d).transpose(1, 2), cos, sin)
             k = _rotate(self.k(z).view(b, rows, kv, d).transpose(1, 2), cos, sin)
             v = self.v(z).view(b, rows, kv, d).transpose(1, 2)
@@ -121,7 +122,8 @@ class TrainableHead(Eagle3Head):
             for i in range(1, step + 1):
                 context = context + weights[..., rows + i - 1 : rows + i] * _shift(
                     values[i], step - i)
-            r = g + self.o(context.transpose(1, 2).reshape(b, rows, heads * d))
+            residual = hidden if cfg.norm_before_residual else g
+            r = residual + self.o(context.transpose(1, 2).reshape(b, rows, heads * d))
             r = r + self.down(F.silu(self.gate(x := self.post_norm(r))) * self.up(x))
             outputs.append(self.norm(r))
             g = _shift(r, 1, dim=1)  # row t + 1 of the next step reads row t's hidden_out
@@ -158,6 +160,7 @@ def write_head(folder: Path, head: TrainableHead, token_ids: np.ndarray,
         "intermediate_size": cfg.intermediate, "rms_norm_eps": cfg.eps,
         **{k: v for k, v in cfg.rope.items()}, "num_hidden_layers": 1,
         "vocab_size": cfg.vocab, "draft_vocab_size": cfg.draft_vocab,
+        "norm_before_residual": cfg.norm_before_residual,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers)},
         "torch_dtype": "float32",
     }
