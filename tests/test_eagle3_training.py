@@ -9,6 +9,8 @@ import json
 import numpy as np
 import pytest
 
+import edgespec
+
 torch = pytest.importorskip("torch")
 
 from conftest import llama  # noqa: E402
@@ -177,3 +179,85 @@ def test_distill_refuses_bad_input_in_one_line_and_touches_nothing(checkpoints, 
                                        "--prompts", "9999", "1", "1"])
     assert result.exit_code == 1 and "at most 680 72 128" in result.output
     assert not fresh.exists()
+
+
+@pytest.fixture(scope="module")
+def trained(checkpoints, tmp_path_factory):
+    """A head trained (150 steps) on the 8-word target's own greedy and sampled texts, exported
+    beside it: a head that accepts, for the exactness checks of test_eagle3_decoding.py."""
+    from transformers import AutoModelForCausalLM
+
+    from edgespec.export import export_pair
+
+    folder = checkpoints["words_target_fused"]
+    target = AutoModelForCausalLM.from_pretrained(folder).eval()
+    root = tmp_path_factory.mktemp("trained_head")
+    vocab = target.config.vocab_size
+    token_ids = np.arange(vocab, dtype=np.int32)
+    config = head_config(target.config, root / "head", vocab)
+    torch.manual_seed(0)
+    head = TrainableHead(config, target.model.embed_tokens.weight.detach())
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight)
+        head.norm.weight.copy_(target.model.norm.weight)
+    texts = []
+    for seed in range(96):  # the target's own texts, greedy and at T = 1, from short prompts
+        torch.manual_seed(seed)
+        prompt = torch.randint(0, vocab, (1, 1 + seed % 3))
+        with torch.no_grad():
+            ids = target.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                  do_sample=seed % 2 == 1, max_new_tokens=24, top_k=0,
+                                  pad_token_id=0)
+            logp = torch.log_softmax(target(ids).logits[0].float(), -1)
+        top_logp, top_ids = logp[:-1].topk(vocab, -1)  # row p predicts ids[p + 1]
+        texts.append(Example(ids[0], 1, top_ids.to(torch.int32), top_logp.half(),
+                             aux_features(target, ids, config)[0].half()))
+    report = train_head(head, token_ids, texts[8:], texts[:8],
+                        TrainSettings(minutes=5, lr=1e-2, steps=3, max_steps=150),
+                        root / "state.pt", lambda line: None)
+    write_head(root / "head", head, token_ids, report)
+    export_pair(folder, root / "head", root / "package")
+    return edgespec.load(root / "package"), report
+
+
+def test_a_trained_head_is_exact_greedy_and_sampled(trained):
+    """Greedy output with the trained head is target-only output at fixed k = 1..4 (tokens
+    drafted and accepted), and its first two sampled tokens at T = 1 follow the target's
+    distribution (chi-square through the loop, k = 2); the head learned (held-out sum
+    min(p, q) up at every step)."""
+    from helpers import exact_two_token_distribution, two_token_samples
+    from stats_check import ALPHA, fit_pvalue
+
+    from edgespec.config import SamplingConfig
+
+    pipe, report = trained
+    assert all(a > b for a, b in zip(report["heldout_min_pq_after"],
+                                     report["heldout_min_pq_before"]))
+    drafted = accepted = 0
+    for prompt in ("a b c", "g f e d", "b"):
+        baseline = pipe.generate(prompt, max_new_tokens=30, drafter="none", ignore_eos=True)
+        for k in range(1, 5):
+            result = pipe.generate(prompt, max_new_tokens=30, draft_length=k,
+                                   schedule="fixed", ignore_eos=True)
+            assert result.token_ids == baseline.token_ids, (prompt, k)
+            drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
+    assert 0 < accepted < drafted  # accepted and rejected rounds both ran
+    t1 = SamplingConfig(temperature=1.0)
+    samples, drafted, accepted = two_token_samples(pipe, t1, 2000, "a b c")
+    assert drafted >= 2 * 2000 and accepted > 0
+    assert fit_pvalue(samples, exact_two_token_distribution(pipe, t1, "a b c")) > ALPHA
+
+
+def test_the_trained_heads_check_rejects_a_loop_without_the_ratio(trained, monkeypatch):
+    """The same chi-square with every proposal accepted (no min(1, p/q)) fails."""
+    from helpers import exact_two_token_distribution, two_token_samples
+    from stats_check import fit_pvalue
+
+    from edgespec.config import SamplingConfig
+    from edgespec.runtime import acceptance
+
+    monkeypatch.setattr(acceptance, "accept_or_replace", lambda x, p, q, u: (True, x))
+    pipe, _ = trained
+    t1 = SamplingConfig(temperature=1.0)
+    samples, _, _ = two_token_samples(pipe, t1, 1500, "a b c")
+    assert fit_pvalue(samples, exact_two_token_distribution(pipe, t1, "a b c")) < 1e-6

@@ -63,12 +63,12 @@ class Example:
 def head_config(target_config, folder: Path, draft_vocab: int,
                 aux_layers: tuple[int, int, int] | None = None) -> HeadConfig:
     """A head of the target's width, heads and MLP size, reading ``aux_layers`` (default: the
-    paper's low/middle/high; a target under 8 layers gets three distinct ones)."""
+    paper's low/middle/high, 2, L/2, L-3; a target under 8 layers reads L/4, L/2, L-1)."""
     layers = target_config.num_hidden_layers
     if aux_layers is None:
         aux_layers = default_aux_layers(layers)
-        if len(set(aux_layers)) < 3:
-            aux_layers = (max(layers // 4, 0), layers // 2, layers - 1)
+        if len(set(aux_layers)) < 3 or min(aux_layers) < 0 or max(aux_layers) >= layers:
+            aux_layers = (layers // 4, layers // 2, layers - 1)  # shallow targets
     heads = target_config.num_attention_heads
     rope = {"rope_theta": getattr(target_config, "rope_theta", 10000.0),
             "max_position_embeddings": target_config.max_position_embeddings}
@@ -238,6 +238,10 @@ def _step_losses(head: TrainableHead, chunk: list[Example], remap: torch.Tensor,
             j = torch.arange(first, last) + 2 - e.start
             top_ids.append(e.top_ids[j].long())
             top_logp.append(e.top_logp[j].float())
+        if not rows:  # texts too short for a chain this long
+            losses.append(hidden.sum() * 0)
+            measured.append((0.0, 0))
+            continue
         logits = head.lm_head(torch.cat(rows))
         sub = remap[torch.cat(top_ids)]
         keep = sub >= 0
