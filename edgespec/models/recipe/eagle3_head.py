@@ -45,7 +45,6 @@ from edgespec.models.recipe.distill import sparse_kl
 
 Progress = Callable[[str], None]
 STEP_WEIGHT = 0.8  # EAGLE-3's weight of step s's loss: 0.8 ** s
-_WORK = "work"
 
 
 @dataclass
