@@ -292,7 +292,12 @@ def test_a_redeploy_drains_the_replica_that_holds_a_stream(cluster, hold_dir):
     replica, chunks = _held_stream(cluster.url, "redeploy")
     assert replica in old
     new_version = replace(CONFIG, shutdown_s=CONFIG.shutdown_s + 1)  # new arguments
-    redeploy = threading.Thread(target=_deploy, args=(cluster, OPTIONS, new_version))
+    # the application is built here, not in the thread: Ray's DeploymentConfig registers and
+    # unregisters a module for pickling by value (process-wide state), and building one while
+    # this thread's serve.status() polls read deployment configs raced (a ValueError in the
+    # thread, no new version: seen once in CI)
+    app = ray_deploy.application(demo_package(), new_version, OPTIONS)
+    redeploy = threading.Thread(target=cluster.run, args=(app,))
     redeploy.start()
     try:
         # the old replica with the stream stops (drains), two new ones answer
