@@ -304,26 +304,21 @@ def prepare(args) -> tuple[list[Job], dict]:
         extra = shlex.split(args.edgespec_export_args or "")
         made["edgespec"] = {"export_args_added": extra, "packages": {}}
         pair = models / f"{model_key(target)}--{model_key(draft)}" / "edgespec"
-        for variant, export_args in parse_variants(args.edgespec_variant).items():
-            package = pair / variant
-            record = export_edgespec(target, draft, variant, [*export_args, *extra], package,
-                                     args)
+        def export(draft_path: Path, variant: str, export_args: list[str], package: Path):
+            record = export_edgespec(target, draft_path, variant, [*export_args, *extra],
+                                     package, args)
             made["edgespec"]["packages"][variant] = {
                 "package": str(package), "export_command": shlex.join(record["command"]),
                 "export_seconds": record.get("seconds"), "cached": record["cached"],
                 "exported_at": record.get("edgespec_commit"),
                 "manifest": manifest_fields(package)}
             add("edgespec", variant, str(package), str(package))
+
+        for variant, export_args in parse_variants(args.edgespec_variant).items():
+            export(draft, variant, export_args, pair / variant)
         if args.eagle_head:  # the int4 target with the head as its draft
-            package = pair.with_name("edgespec-eagle3") / HEAD_VARIANT
-            record = export_edgespec(target, args.eagle_head, HEAD_VARIANT,
-                                     ["--quantize", "int4", *extra], package, args)
-            made["edgespec"]["packages"][HEAD_VARIANT] = {
-                "package": str(package), "export_command": shlex.join(record["command"]),
-                "export_seconds": record.get("seconds"), "cached": record["cached"],
-                "exported_at": record.get("edgespec_commit"),
-                "manifest": manifest_fields(package)}
-            add("edgespec", HEAD_VARIANT, str(package), str(package))
+            export(args.eagle_head, HEAD_VARIANT, ["--quantize", "int4"],
+                   pair.with_name("edgespec-eagle3") / HEAD_VARIANT)
 
     if "onnxruntime-genai" in args.engines:
         print("onnxruntime-genai:", flush=True)

@@ -20,6 +20,7 @@ the top-K KD of many LLM distillation recipes).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,6 +114,12 @@ def sparse_kl(q_logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Ten
     kl_top = (p_top * (log_p_top - log_q_top)).sum(-1)
     kl_rest = p_rest * (torch.log(p_rest.clamp_min(1e-12)) - torch.log(q_rest))
     return (kl_top + kl_rest).mean()
+
+
+def warmup_cosine(lr: float, fraction: float) -> float:
+    """The learning rate ``fraction`` of the way through a budget: 5% linear warmup, then
+    cosine to 0 (the recipes' schedule over a wall-clock budget)."""
+    return lr * min(1.0, fraction / 0.05) * 0.5 * (1 + math.cos(math.pi * fraction))
 
 
 GENERATION_TEMPERATURES = (0.0, 0.7, 1.0)  # greedy and the bench's sampled settings

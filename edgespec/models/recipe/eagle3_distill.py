@@ -2,13 +2,10 @@
 says how). The stages' data lives in OUT/work/ and each stage resumes from it; the head is
 written to OUT when training ends, and again on a second run (which trains on from the saved
 state when given more minutes).
-
-    python -m edgespec.models.recipe.eagle3_distill --target TARGET --out HEAD_DIR
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -22,7 +19,6 @@ from edgespec.models.recipe.eagle3_head import (Example, TrainableHead, TrainSet
                                                 write_head)
 
 WORK = "work"
-DATA = ("chat", "code")
 
 
 def log(line: str) -> None:
@@ -123,28 +119,3 @@ def distill(target_path: Path, out: Path, data: str, minutes: float, draft_vocab
     report(f"wrote the head to {out}; export it with: edgespec export --target {target_path} "
            f"--draft {out} --out PACKAGE")
     return result
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", type=Path, required=True,
-                        help="Hugging Face folder or .gguf file of the target")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--data", choices=DATA, default="chat")
-    parser.add_argument("--minutes", type=float, default=20.0)
-    parser.add_argument("--draft-vocab", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--prompts", type=int, nargs=3, default=(300, 72, 96))
-    parser.add_argument("--tokens", type=int, default=150_000)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--aux-layers", type=int, nargs=3)
-    args = parser.parse_args(argv)
-    distill(args.target, args.out, args.data, args.minutes, args.draft_vocab, args.steps,
-            tuple(args.prompts), args.tokens, args.new_tokens, lr=args.lr, seed=args.seed,
-            aux_layers=tuple(args.aux_layers) if args.aux_layers else None)
-
-
-if __name__ == "__main__":
-    main()

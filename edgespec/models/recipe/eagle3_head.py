@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 
 from edgespec.export.eagle3 import (ARCHITECTURES, D2T, T2D, Eagle3Head, HeadConfig, _rotate,
                                     default_aux_layers)
-from edgespec.models.recipe.distill import sparse_kl
+from edgespec.models.recipe.distill import sparse_kl, warmup_cosine
 
 Progress = Callable[[str], None]
 STEP_WEIGHT = 0.8  # EAGLE-3's weight of step s's loss: 0.8 ** s
@@ -322,8 +322,7 @@ def train_head(head: TrainableHead, token_ids: np.ndarray, examples: list[Exampl
                 break
             fraction = progress()
             for group in optimizer.param_groups:
-                group["lr"] = settings.lr * min(1.0, fraction / 0.05) * 0.5 * (
-                    1 + math.cos(math.pi * fraction))
+                group["lr"] = warmup_cosine(settings.lr, fraction)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 losses = _step_losses(head, chunk, remap, settings.steps)
             loss = sum(w * s for w, s in zip(weights, losses)) / sum(weights)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import random
 import time
 from collections import Counter
@@ -38,7 +37,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from edgespec.models.recipe import chat_prompts
-from edgespec.models.recipe.distill import GENERATION_TEMPERATURES, sparse_kl
+from edgespec.models.recipe.distill import GENERATION_TEMPERATURES, sparse_kl, warmup_cosine
 
 LAYERS_NAME = "layers.safetensors"
 TOKEN_IDS_NAME = "token_ids.npy"
@@ -286,8 +285,8 @@ def train(draft, token_ids: np.ndarray, records: list[dict], held: list[dict], m
             if elapsed >= minutes * 60:
                 break
             fraction = elapsed / (minutes * 60)
-            for group in optimizer.param_groups:  # 5% linear warmup, then cosine to 0
-                group["lr"] = lr * min(1.0, fraction / 0.05) * 0.5 * (1 + math.cos(math.pi * fraction))
+            for group in optimizer.param_groups:
+                group["lr"] = warmup_cosine(lr, fraction)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = _loss(draft, rows, remap, ids, chunk)
             optimizer.zero_grad(set_to_none=True)
