@@ -123,7 +123,7 @@ def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied
             writer.add_tensor(short, np.ascontiguousarray(w, dtype=np.float32))
         elif qtype == "F16":
             writer.add_tensor(short, w.astype(np.float16))
-        elif qtype in ("Q4_K", "Q6_K"):
+        elif qtype in K_QUANTS:
             writer.add_tensor(short, _raw(qtype, *w.shape, seed=sum(map(ord, short))),
                               raw_dtype=Q[qtype])
         elif qtype == "Q8_K":  # no quantizer in gguf-py: one block of zeros (the shape is wrong)
@@ -195,16 +195,18 @@ def packages(files, tmp_path_factory) -> dict[str, Path]:
 
 # -- the blocks ---------------------------------------------------------------------------------
 
+K_QUANTS = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes a super-block of 256
+
+
 def _raw(qtype: str, rows: int, columns: int, seed: int) -> np.ndarray:
     """llama.cpp blocks of ``qtype``: gguf-py's quantizer where it has one; random bytes with
     sane scales for the K-quants (any bytes are a valid block but for NaN/inf scales)."""
     rng = np.random.default_rng(seed)
-    if qtype in ("Q4_K", "Q6_K"):
-        scale = (2e-5, 2e-4) if qtype == "Q4_K" else (1e-5, 1e-4)  # weights of about 0.05
-        size = {"Q4_K": 144, "Q6_K": 210}[qtype]
-        raw = rng.integers(0, 256, (rows, columns // 256, size), dtype=np.uint8)
+    if qtype in K_QUANTS:
+        scale = (1e-5, 1e-4) if qtype != "Q4_K" else (2e-5, 2e-4)  # weights of about 0.05
+        raw = rng.integers(0, 256, (rows, columns // 256, K_QUANTS[qtype]), dtype=np.uint8)
         d = rng.uniform(*scale, (rows, columns // 256, 1)).astype(np.float16).view(np.uint8)
-        if qtype == "Q4_K":
+        if qtype in ("Q4_K", "Q5_K"):  # d and dmin
             raw[..., 0:2], raw[..., 2:4] = d, d
         else:
             raw[..., 208:210] = d
@@ -301,22 +303,36 @@ def test_exports_equal_the_dequantized_model_at_fp32s_gate(packages, name):
     assert validation["mean_tv"] < 1e-4 and validation["top1_agreement"] == 1.0
     assert manifest.target.quantization == "int4" and manifest.target.graph == "fused"
     repacked = weights["tensors"]["repacked"]
-    expected = {"llama": {"Q4_0": 4, "Q4_1": 7},
-                "qwen2": {"Q4_0": 5, "Q4_1": 1},
+    expected = {"llama": {"Q4_0": 4, "Q4_1": 7, "Q8_0": 3},
+                "qwen2": {"Q4_0": 5, "Q4_1": 1, "Q5_0": 2, "Q8_0": 8},
                 "llama_q4_0": {"Q4_0": 15},
-                "llama_k": {"Q4_K": 10},
+                "llama_k": {"Q4_K": 10, "Q6_K": 5},
                 "qwen3": {"Q4_0": 7, "Q4_1": 8}}[name]
     assert repacked == expected
-    # 8-bit blocks are read as floats for float compute; Q5_0 is not repacked
-    dequantized = {"llama": {"Q8_0": 3}, "qwen2": {"Q5_0": 2, "Q8_0": 8}, "llama_q4_0": None,
-                   "llama_k": {"Q6_K": 5}, "qwen3": None}[name]
-    assert weights["tensors"].get("dequantized") == dequantized
+    # 8-bit blocks stay blocks in float compute too (dequantized when the session loads)
+    assert "dequantized" not in weights["tensors"]
+    _assert_compact(manifest, packages[name])
     if name == "llama":
         assert weights["tensors"]["kept"]["F16"] == 1
         _assert_one_transposed_table(packages[name] / "target" / "model.onnx")
     if name == "qwen3":  # the head size from attention.key_length; the norms read as stored
         assert manifest.target.head_dim == 32 and weights["tensors"]["kept"]["F32"] == 9
     assert manifest.source["target"].endswith(".gguf")
+
+
+def _assert_compact(manifest, package: Path) -> None:
+    """The graph's weights take no more bytes than the file's tensors, within the 8-bit
+    byte a 5- or 6-bit value takes and the float32 scales of 4-bit blocks (rotary tables and
+    the block-sum matrices aside: they are the graph's own, not the file's)."""
+    import onnx
+    from gguf import GGUFReader
+
+    source = sum(int(t.n_bytes) for t in GGUFReader(manifest.source["target"]).tensors)
+    graph = onnx.load(str(package / "target" / "model.onnx"), load_external_data=False).graph
+    own = ("cos_cache", "sin_cache", "block_sums")
+    stored = sum(int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+                 for t in graph.initializer if not t.name.startswith(own))
+    assert stored <= 1.3 * source, (stored, source)
 
 
 def _assert_one_transposed_table(path: Path) -> None:
@@ -414,8 +430,8 @@ def test_a_gguf_target_fixed_to_int8_compute_repacks_its_8_bit_blocks(files, tmp
 
 
 def test_quantize_applies_to_the_weights_that_were_not_repacked(files, tmp_path):
-    manifest = export_pair(files["qwen2"], None, tmp_path / "q", quantize="int8",
-                           target_compute="float")
+    manifest = export_pair(files["llama"], None, tmp_path / "q", quantize="int8",
+                           target_compute="float")  # its layer 1 down_proj is F16
     weights = manifest.target.validation["gguf"]
     assert weights["requantized"] is True and "repack_check" not in weights
     assert manifest.target.quantization == "int8"

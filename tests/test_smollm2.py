@@ -9,9 +9,11 @@ missing package fails here instead of skipping; elsewhere these tests run once i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -215,7 +217,10 @@ def test_models_build_passes_the_target_compute_to_the_export(tmp_path, monkeypa
 
     monkeypatch.setenv("EDGESPEC_MODELS_DIR", str(tmp_path / "models"))
     gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    gguf.write_bytes(b"")
+    gguf.write_bytes(b"GGUF")
+    model = named.MODELS["smollm2"]  # pinned to these four bytes for the test
+    pin = replace(model.target, size=4, sha256=hashlib.sha256(b"GGUF").hexdigest())
+    monkeypatch.setitem(named.MODELS, "smollm2", replace(model, target=pin))
     calls = []
 
     def fake_export(target, draft, out, **kwargs):

@@ -167,7 +167,7 @@ def resolve_package(package: Path | None) -> Path:
         return demo_package()
     name = str(package)
     if package.exists() or name not in named.MODELS:
-        return package
+        return named.package_path(package)  # a folder, or a typo's close name refused
     built = named.built_package(name)
     if built is not None:
         return built

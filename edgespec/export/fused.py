@@ -191,12 +191,10 @@ class _Builder:
         parts = ([self.packed([n]) for n in names] if packed is None and len(names) > 1
                  else [None])
         if packed is not None:
-            out = self.matmul_nbits(x, self.store_packed(f"{name}.weight", packed),
-                                    *packed.shape)
+            out = self.packed_matmul(f"{name}.weight", x, packed)
         elif any(part is not None for part in parts):  # blocks of different layouts, or some
             # read as floats (a Q4_K q|k beside a Q6_K v): one MatMul each, side by side
-            outs = [self.matmul_nbits(x, self.store_packed(f"{name}.{i}.weight", part),
-                                      *part.shape) if part is not None else
+            outs = [self.packed_matmul(f"{name}.{i}.weight", x, part) if part is not None else
                     self.matmul(f"{name}.{i}.weight", x, self.tensors.read(n))
                     for i, (n, part) in enumerate(zip(names, parts))]
             (out,) = self.node("Concat", outs, axis=-1)
@@ -229,29 +227,120 @@ class _Builder:
                       QUANT_BLOCK_SIZE)
 
     def packed(self, names: list[str]):
-        """The source's own blocks of these weights (export/gguf.py's Packed), or None.
-
-        8-bit blocks only where the MatMuls compute with int8 activations: in float compute
-        onnxruntime's CPU MatMulNBits dequantizes 8-bit weights on every run (two orders of
-        magnitude slower), so there they are read as floats, the same numbers."""
+        """The source's own blocks of these weights (export/gguf.py's Packed), or None."""
         hand_over = getattr(self.tensors, "packed", None)
-        widths = (4, 8) if self.int8_compute else (4,)
-        return hand_over(names, widths) if hand_over else None
+        return hand_over(names) if hand_over else None
+
+    def packed_matmul(self, name: str, x: str, packed, outputs: list[str] | int = 1) -> str:
+        """x @ W^T from a source's blocks: a MatMulNBits, except 8-bit blocks in float compute.
+
+        onnxruntime's CPU MatMulNBits has no float-compute kernel for 8-bit weights: it
+        dequantizes the whole matrix on every run (two orders of magnitude slower than a
+        MatMul). There the blocks are stored as they are and dequantized by constant
+        operators (``folded``) that onnxruntime folds into the MatMul's float weight when the
+        session loads: the package keeps the file's size, the session computes as float."""
+        weight = self.store_packed(name, packed)
+        if packed.bits == 8 and not self.int8_compute:
+            (out,) = self.node("MatMul", [x, self.folded(name, weight, *packed.shape)],
+                               outputs=outputs)
+            return out
+        return self.matmul_nbits(x, weight, *packed.shape, outputs=outputs)
+
+    def folded(self, name: str, weight: _NBits, n: int, k: int) -> str:
+        """W^T ``[K, N]`` in float32 from stored 8-bit blocks: scale * (q - 128), or
+        scale * q + minimum, the products in the order llama.cpp's dequantization takes them
+        (gguf_blocks.Packed.dequantize). Every input is a constant: onnxruntime computes it
+        once, at load."""
+        from onnx import TensorProto
+
+        last = self.constant("axis_last", np.array([-1]))
+        (q,) = self.node("Cast", [weight.data], to=TensorProto.FLOAT)  # [N, B, size]
+        (scales,) = self.node("Unsqueeze", [weight.scales, last])
+        if weight.minimums is None:
+            zero = self.constant(f"zero_point{weight.bits}",
+                                 np.array(1 << (weight.bits - 1), dtype=np.float32))
+            (q,) = self.node("Sub", [q, zero])
+            (w,) = self.node("Mul", [q, scales])
+        else:  # the minimums are stored [B, N]
+            (lows,) = self.node("Transpose", [weight.minimums], perm=[1, 0])
+            (lows,) = self.node("Unsqueeze", [lows, last])
+            (w,) = self.node("Mul", [q, scales])
+            (w,) = self.node("Add", [w, lows])
+        (w,) = self.node("Reshape", [w, self.weight(f"{name}.shape", np.array([n, k]))])
+        (w_t,) = self.node("Transpose", [w], outputs=[f"{name}.folded"], perm=[1, 0])
+        return w_t
 
     def store_packed(self, name: str, packed) -> _NBits:
-        """A source's blocks stored as they are (``name``_Q<bits>, _scales), with zero points 0
-        and the transposed minimums (_minimums) for blocks that have them."""
+        """A source's blocks stored in about the file's bytes (``name``_Q<bits>, _scales,
+        _minimums transposed to [B, N], zero points 0 for blocks with minimums): what
+        MatMulNBits reads, made from them by constant operators folded at load
+        (``factors``, ``values``)."""
         zero = lows = None
-        if packed.minimums is not None:
-            n, blocks = packed.scales.shape
+        n, blocks = packed.data.shape[:2]
+        if packed.minimum_parts is not None:
             columns = -(-blocks * packed.bits // 8)  # zero points packed as the weights are
-            zero = self.weight(f"{name}_zero_points", np.zeros((n, columns), np.uint8),
-                               counted=False)
-            lows = self.weight(f"{name}_minimums", np.ascontiguousarray(packed.minimums.T),
-                               counted=False)
-        return _NBits(self.weight(f"{name}_Q{packed.bits}", packed.data, counted=False),
-                      self.weight(f"{name}_scales", packed.scales, counted=False), zero,
+            (zero,) = self.node("ConstantOfShape", [self.weight(
+                f"{name}_zero_points.shape", np.array([n, columns]))], outputs=[
+                f"{name}_zero_points"], value=_uint8_zero())
+            (lows,) = self.node("Transpose", [self.factors(f"{name}_minimums",
+                                                           packed.minimum_parts)], perm=[1, 0])
+        return _NBits(self.values(f"{name}_Q{packed.bits}", packed),
+                      self.factors(f"{name}_scales", packed.scale_parts), zero,
                       packed.bits, packed.block_size, lows)
+
+    def factors(self, name: str, parts) -> str:
+        """float32 ``[N, B]`` = float(unit) (repeated over a super-block's blocks) *
+        float(steps), from the file's float16 and 6-bit factors (gguf_blocks.Factors)."""
+        from onnx import TensorProto
+
+        (unit,) = self.node("Cast", [self.weight(f"{name}.unit", parts.unit, counted=False)],
+                            to=TensorProto.FLOAT)
+        if parts.steps is None:
+            return unit
+        n, blocks = parts.steps.shape
+        group = blocks // parts.unit.shape[1]
+        (steps,) = self.node("Cast", [self.weight(f"{name}.steps", parts.steps, counted=False)],
+                             to=TensorProto.FLOAT)
+        (steps,) = self.node("Reshape", [steps, self.weight(f"{name}.groups",
+                                                            np.array([n, -1, group]))])
+        (unit,) = self.node("Unsqueeze", [unit, self.constant("axis_last", np.array([-1]))])
+        (value,) = self.node("Mul", [unit, steps])  # [N, S, group]
+        (value,) = self.node("Reshape", [value, self.weight(f"{name}.shape",
+                                                            np.array([n, blocks]))])
+        return value
+
+    def values(self, name: str, packed) -> str:
+        """The blocks' bytes ``[N, B, size * bits / 8]``. 8-bit blocks of 5- or 6-bit values
+        (Q5_*, Q6_K) are stored as two planes, the low 4 bits two a byte and the rest 8 / r a
+        byte, and put together again as offset + low + 16 high, all in uint8."""
+        if packed.value_bits is None:
+            return self.weight(name, packed.data, counted=False)
+        rest = packed.value_bits - 4
+        value = packed.data - np.uint8(packed.offset)  # [N, B, size]
+        low = self.weight(f"{name}.low", _pack_bits(value & 15, 4), counted=False)
+        high = self.weight(f"{name}.high", _pack_bits(value >> 4, rest), counted=False)
+        shape = self.weight(f"{name}.shape", np.array(packed.data.shape))
+        (low,) = self.node("Reshape", [self.unpack_bits(low, 4), shape])
+        (high,) = self.node("Reshape", [self.unpack_bits(high, rest), shape])
+        (high,) = self.node("Mul", [high, self.constant("uint8_16", np.array(16, np.uint8))])
+        (value,) = self.node("Add", [low, high])
+        if not packed.offset:
+            (out,) = self.node("Identity", [value], outputs=[name])
+            return out
+        (out,) = self.node("Add", [value, self.constant(
+            f"uint8_{packed.offset}", np.array(packed.offset, np.uint8))], outputs=[name])
+        return out
+
+    def unpack_bits(self, packed: str, width: int) -> str:
+        """uint8 ``[..., m]`` holding 8 / width values a byte, least significant first ->
+        ``[..., m, 8 / width]``: (byte / 2^(width j)) mod 2^width, broadcast over j."""
+        count = 8 // width
+        (column,) = self.node("Unsqueeze", [packed, self.constant("axis_last", np.array([-1]))])
+        (shifted,) = self.node("Div", [column, self.constant(
+            f"uint8_powers{width}", (1 << (width * np.arange(count))).astype(np.uint8))])
+        (value,) = self.node("Mod", [shifted, self.constant(
+            f"uint8_{1 << width}", np.array(1 << width, np.uint8))])
+        return value
 
     def matmul_nbits(self, x: str, weight: _NBits, n: int, k: int,
                      outputs: list[str] | int = 1) -> str:
@@ -411,6 +500,12 @@ class _Builder:
         vocab, hidden = packed.shape
         tie = is_tied(self.model) and self.token_ids is None
         table = self.store_packed("lm_head" if tie else "embed", packed)
+        if tie and packed.bits == 8 and not self.int8_compute:  # the output layer's folded
+            # float weight [H, V] (packed_matmul), whose columns the lookup gathers
+            embed = self.folded("lm_head", table, vocab, hidden)
+            (columns,) = self.node("Gather", [embed, "input_ids"], axis=1)
+            (x,) = self.node("Transpose", [columns], perm=[1, 2, 0])
+            return x, (embed,)
         blocks, size = hidden // packed.block_size, packed.block_size
         if packed.bits == 4 and packed.minimums is None and size == QUANT_BLOCK_SIZE:
             (data,) = self.node("Reshape", [table.data, self.weight(
@@ -462,8 +557,7 @@ class _Builder:
         if packed is not None:
             if self.token_ids is not None:
                 packed = packed.rows(self.token_ids)
-            self.matmul_nbits(normed, self.store_packed("lm_head", packed), *packed.shape,
-                               outputs=["logits"])
+            self.packed_matmul("lm_head", normed, packed, outputs=["logits"])
             return
         weight = self.tensors.read(name)  # [V, hidden]
         if self.token_ids is not None:
@@ -555,3 +649,18 @@ class _Builder:
         half = head_dim // 2
         return (self.weight("cos_cache", cos[0, :, :half].float()),
                 self.weight("sin_cache", sin[0, :, :half].float()))
+
+
+def _pack_bits(values: np.ndarray, width: int) -> np.ndarray:
+    """uint8 ``[..., m]`` of values below 2^width -> ``[..., m * width / 8]``, 8 / width a
+    byte, the first in the least significant bits (``_Builder.unpack_bits`` undoes it)."""
+    count = 8 // width
+    groups = values.reshape(*values.shape[:-1], -1, count).astype(np.uint8)
+    shifts = (width * np.arange(count)).astype(np.uint8)
+    return np.bitwise_or.reduce(groups << shifts, axis=-1).astype(np.uint8)
+
+
+def _uint8_zero():
+    from onnx import TensorProto, helper
+
+    return helper.make_tensor("zero", TensorProto.UINT8, [1], [0])

@@ -22,7 +22,9 @@ dequantized to float32 (and quantized again only as ``--quantize`` asks).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -103,7 +105,7 @@ def read_gguf_checkpoint(file: Path, role: str) -> GGUFCheckpoint:
                           "files; export the model's Hugging Face folder instead")
     _check_tensors(reader, file, role)
     try:
-        with quiet("transformers"):
+        with quiet("transformers"), _one_parse():
             config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
             tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     except (ValueError, OSError, KeyError, TypeError, IndexError) as e:
@@ -134,11 +136,43 @@ def _head_dim(reader, architecture: str, config, file: Path, role: str) -> int:
     return sizes.pop() if sizes else config.hidden_size // config.num_attention_heads
 
 
-def _reader(file: Path, role: str):
+def open_reader(file: Path):
+    """gguf's GGUFReader of ``file``, parsed once for as long as the file is unchanged.
+
+    Parsing the metadata is the slow part of reading a GGUF file (gguf-py reads each of a
+    151,936-token vocabulary's strings and merges as its own array: 10-15 s a time on 2 cores),
+    and an export reads one file's metadata four times (the checks here, transformers' config
+    and tokenizer, the tensor table)."""
+    file = Path(file).resolve()
+    stat = file.stat()
+    return _parsed(str(file), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed(path: str, size: int, mtime_ns: int):
     from gguf import GGUFReader
 
+    return GGUFReader(path)
+
+
+@contextmanager
+def _one_parse():
+    """transformers' GGUF loader (``AutoConfig`` / ``AutoTokenizer`` with ``gguf_file``)
+    given the parsed reader instead of a parse of its own: its load_gguf_checkpoint imports
+    GGUFReader from gguf on each call (transformers is pinned below 4.58 in pyproject.toml)."""
+    import gguf
+
+    own = gguf.GGUFReader
+    gguf.GGUFReader = lambda path, *args, **kwargs: open_reader(Path(path))
     try:
-        return GGUFReader(file)
+        yield
+    finally:
+        gguf.GGUFReader = own
+
+
+def _reader(file: Path, role: str):
+    try:
+        return open_reader(file)
     except (ValueError, OSError, KeyError, IndexError, TypeError) as e:
         raise ExportError(f"--{role} {file} is truncated or not a GGUF file (reading it: {e}); "
                           "download or copy it again") from None
@@ -203,11 +237,10 @@ class GGUFTensors(TensorIndex):
         return f"is it a complete GGUF file of a {self.config.model_type} model?"
 
     def __init__(self, file: Path, model):
-        from gguf import GGUFReader
         from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
         self.path = Path(file)
-        reader = GGUFReader(self.path)
+        reader = open_reader(self.path)
         self.config = model.config
         architecture = _field(reader, "general.architecture")
         self._permuted = architecture in PERMUTED

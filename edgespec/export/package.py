@@ -245,10 +245,11 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
                           f"{reason or 'optimum was asked for'}; export without draft_vocab")
     ids = validation_ids(ckpt.tokenizer, ckpt.vocab_size,
                          min(VALIDATION_LENGTH, ckpt.max_positions))
-    # int8 activations where the graph will compute with them: a quantized draft's, and a
-    # target's whose compute was fixed to int8 (the user's choice, stated in the manifest);
-    # a GGUF file's 8-bit blocks (Q8_0, Q6_K) are repacked only for those (fused.py says why)
-    int8_compute = (role == "draft" and variant in EXPORT_QUANTIZATIONS
+    # int8 activations where the graph will compute with them: a quantized draft's (a GGUF
+    # draft's blocks are quantized: its precision moves acceptance, never the output), and a
+    # target's whose compute was fixed to int8 (the user's choice, stated in the manifest)
+    int8_compute = (role == "draft" and (variant in EXPORT_QUANTIZATIONS
+                                         or isinstance(ckpt, GGUFCheckpoint))
                     or role == "target" and target_compute == "int8")
     write = _write_fused if graph == "fused" else _write_optimum
     stored, about, expected, reference = write(ckpt, folder, role, variant, token_ids,
@@ -261,7 +262,7 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
                     variant if variant in EXPORT_QUANTIZATIONS else None)
     spec = replace(describe_graph(folder, root, **about), graph=graph, stored=dict(stored),
                    quantization=quantization,
-                   compute="int8" if role == "draft" and variant in EXPORT_QUANTIZATIONS
+                   compute="int8" if role == "draft" and int8_compute and quantization
                    else "float")
     extra = {"gguf": weights} if weights else {}
     if token_ids is not None:
@@ -349,8 +350,7 @@ def _write_fused(ckpt: Checkpoint, folder: Path, role: str, variant: str,
                                token_ids=token_ids, progress=report.detail, eagle_fc=eagle_fc)
     about = {"architecture": ckpt.config.model_type,
              "parameters": sum(p.numel() for p in model.parameters())}
-    if isinstance(tensors, GGUFTensors):  # a GGUF draft computes in int8 only as
-        # --draft-quantize asks: int8 activations moved SmolLM2-135M's logits by up to 5
+    if isinstance(tensors, GGUFTensors):
         about["gguf"] = _gguf_weights(tensors, bits)
         report.detail("GGUF tensors: " + "; ".join(
             f"{how} {', '.join(f'{n} {kind}' for kind, n in kinds.items())}"

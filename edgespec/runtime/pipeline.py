@@ -360,7 +360,8 @@ def load(
     draft: SessionConfig | None = None,
     calibration_cache: bool = True,
 ) -> Pipeline:
-    """Load an exported package (``path`` None: the bundled demo pair).
+    """Load an exported package (``path`` None: the bundled demo pair; a named model's name,
+    ``edgespec models list``, its built package).
 
     provider: where both models run ("auto", "cpu", "cuda", "tensorrt"); draft_provider, if
     given, overrides it for the draft (a tiny draft can stay on the CPU next to a GPU target).
@@ -372,4 +373,8 @@ def load(
         from edgespec.models import demo_package
 
         path = demo_package()
+    else:
+        from edgespec.models.named import package_path
+
+        path = package_path(path)
     return Pipeline(path, target, draft, provider, draft_provider, calibration_cache)
