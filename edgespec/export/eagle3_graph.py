@@ -217,9 +217,9 @@ def export_head(config: HeadConfig, target_tensors, root: Path, variant: str, va
 
 def target_features(path: Path, ids: np.ndarray) -> np.ndarray:
     """A fused target graph's eagle_features ``[s, h]`` for ``ids`` ``[s]`` (one run)."""
-    import onnxruntime as ort
+    from edgespec.runtime.unpack import inference_session
 
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    session = inference_session(path)  # a GGUF target's blocks are made at load
     feeds = {"input_ids": ids[None].astype(np.int64),
              "attention_mask": np.ones((1, len(ids)), np.int64)}
     for arg in session.get_inputs():

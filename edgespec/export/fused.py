@@ -236,119 +236,66 @@ class _Builder:
 
         onnxruntime's CPU MatMulNBits has no float-compute kernel for 8-bit weights: it
         dequantizes the whole matrix on every run (two orders of magnitude slower than a
-        MatMul). There the blocks are stored as they are and dequantized by constant
-        operators (``folded``) that onnxruntime folds into the MatMul's float weight when the
-        session loads: the package keeps the file's size, the session computes as float."""
-        weight = self.store_packed(name, packed)
+        MatMul). There the blocks are stored as they are and dequantized when the graph loads
+        (``folded``): the package keeps the file's size, the session computes as float."""
         if packed.bits == 8 and not self.int8_compute:
-            (out,) = self.node("MatMul", [x, self.folded(name, weight, *packed.shape)],
-                               outputs=outputs)
+            (out,) = self.node("MatMul", [x, self.folded(name, packed)], outputs=outputs)
             return out
-        return self.matmul_nbits(x, weight, *packed.shape, outputs=outputs)
+        return self.matmul_nbits(x, self.store_packed(name, packed), *packed.shape,
+                                 outputs=outputs)
 
-    def folded(self, name: str, weight: _NBits, n: int, k: int) -> str:
-        """W^T ``[K, N]`` in float32 from stored 8-bit blocks: scale * (q - 128), or
-        scale * q + minimum, the products in the order llama.cpp's dequantization takes them
-        (gguf_blocks.Packed.dequantize). Every input is a constant: onnxruntime computes it
-        once, at load."""
-        from onnx import TensorProto
-
-        last = self.constant("axis_last", np.array([-1]))
-        (q,) = self.node("Cast", [weight.data], to=TensorProto.FLOAT)  # [N, B, size]
-        (scales,) = self.node("Unsqueeze", [weight.scales, last])
-        if weight.minimums is None:
-            zero = self.constant(f"zero_point{weight.bits}",
-                                 np.array(1 << (weight.bits - 1), dtype=np.float32))
-            (q,) = self.node("Sub", [q, zero])
-            (w,) = self.node("Mul", [q, scales])
-        else:  # the minimums are stored [B, N]
-            (lows,) = self.node("Transpose", [weight.minimums], perm=[1, 0])
-            (lows,) = self.node("Unsqueeze", [lows, last])
-            (w,) = self.node("Mul", [q, scales])
-            (w,) = self.node("Add", [w, lows])
-        (w,) = self.node("Reshape", [w, self.weight(f"{name}.shape", np.array([n, k]))])
-        (w_t,) = self.node("Transpose", [w], outputs=[f"{name}.folded"], perm=[1, 0])
-        return w_t
+    def folded(self, name: str, packed) -> str:
+        """W^T ``[K, N]`` in float32, made from the stored blocks when the graph loads:
+        scale * (q - 128), or scale * q + minimum, the products in the order llama.cpp's
+        dequantization takes them (gguf_blocks.Packed.dequantize)."""
+        n, k = packed.shape
+        lows = packed.minimum_parts
+        recipe = {"op": "dequantize", "values": _values(packed),
+                  "scales": _factors(packed.scale_parts),
+                  "minimums": None if lows is None else _factors(lows),
+                  "zero": 0 if lows is not None else 1 << (packed.bits - 1)}
+        return self.store.add_unpacked(f"{name}.folded", {"op": "transpose", "of": recipe},
+                                       np.float32, (k, n))
 
     def store_packed(self, name: str, packed) -> _NBits:
         """A source's blocks stored in about the file's bytes (``name``_Q<bits>, _scales,
-        _minimums transposed to [B, N], zero points 0 for blocks with minimums): what
-        MatMulNBits reads, made from them by constant operators folded at load
-        (``factors``, ``values``)."""
-        zero = lows = None
+        _minimums transposed to [B, N], zero points 0 for blocks with minimums), the tensors
+        MatMulNBits reads made from them when the graph loads (runtime/unpack.py)."""
+        lows = None
         n, blocks = packed.data.shape[:2]
         if packed.minimum_parts is not None:
-            columns = -(-blocks * packed.bits // 8)  # zero points packed as the weights are
-            (zero,) = self.node("ConstantOfShape", [self.weight(
-                f"{name}_zero_points.shape", np.array([n, columns]))], outputs=[
-                f"{name}_zero_points"], value=_uint8_zero())
-            (lows,) = self.node("Transpose", [self.factors(f"{name}_minimums",
-                                                           packed.minimum_parts)], perm=[1, 0])
-        return _NBits(self.values(f"{name}_Q{packed.bits}", packed),
-                      self.factors(f"{name}_scales", packed.scale_parts), zero,
-                      packed.bits, packed.block_size, lows)
-
-    def factors(self, name: str, parts) -> str:
-        """float32 ``[N, B]`` = float(unit) (repeated over a super-block's blocks) *
-        float(steps), from the file's float16 and 6-bit factors (gguf_blocks.Factors)."""
-        from onnx import TensorProto
-
-        (unit,) = self.node("Cast", [self.weight(f"{name}.unit", parts.unit, counted=False)],
-                            to=TensorProto.FLOAT)
-        if parts.steps is None:
-            return unit
-        n, blocks = parts.steps.shape
-        group = blocks // parts.unit.shape[1]
-        (steps,) = self.node("Cast", [self.weight(f"{name}.steps", parts.steps, counted=False)],
-                             to=TensorProto.FLOAT)
-        (steps,) = self.node("Reshape", [steps, self.weight(f"{name}.groups",
-                                                            np.array([n, -1, group]))])
-        (unit,) = self.node("Unsqueeze", [unit, self.constant("axis_last", np.array([-1]))])
-        (value,) = self.node("Mul", [unit, steps])  # [N, S, group]
-        (value,) = self.node("Reshape", [value, self.weight(f"{name}.shape",
-                                                            np.array([n, blocks]))])
-        return value
-
-    def values(self, name: str, packed) -> str:
-        """The blocks' bytes ``[N, B, size * bits / 8]``. 8-bit blocks of 5- or 6-bit values
-        (Q5_*, Q6_K) are stored as two planes, the low 4 bits two a byte and the rest 8 / r a
-        byte, and put together again as offset + low + 16 high, all in uint8."""
+            lows = self.store.add_unpacked(
+                f"{name}_minimums", {"op": "transpose", "of": _factors(packed.minimum_parts)},
+                np.float32, (blocks, n))
         if packed.value_bits is None:
-            return self.weight(name, packed.data, counted=False)
-        rest = packed.value_bits - 4
-        value = packed.data - np.uint8(packed.offset)  # [N, B, size]
-        low = self.weight(f"{name}.low", _pack_bits(value & 15, 4), counted=False)
-        high = self.weight(f"{name}.high", _pack_bits(value >> 4, rest), counted=False)
-        shape = self.weight(f"{name}.shape", np.array(packed.data.shape))
-        (low,) = self.node("Reshape", [self.unpack_bits(low, 4), shape])
-        (high,) = self.node("Reshape", [self.unpack_bits(high, rest), shape])
-        (high,) = self.node("Mul", [high, self.constant("uint8_16", np.array(16, np.uint8))])
-        (value,) = self.node("Add", [low, high])
-        if not packed.offset:
-            (out,) = self.node("Identity", [value], outputs=[name])
-            return out
-        (out,) = self.node("Add", [value, self.constant(
-            f"uint8_{packed.offset}", np.array(packed.offset, np.uint8))], outputs=[name])
-        return out
+            data = self.weight(f"{name}_Q{packed.bits}", packed.data, counted=False)
+        else:
+            data = self.store.add_unpacked(f"{name}_Q{packed.bits}", _values(packed),
+                                           np.uint8, packed.data.shape)
+        scales = self.store.add_unpacked(f"{name}_scales", _factors(packed.scale_parts),
+                                         np.float32, (n, blocks))
+        return _NBits(data, scales, None, packed.bits, packed.block_size, lows)
 
-    def unpack_bits(self, packed: str, width: int) -> str:
-        """uint8 ``[..., m]`` holding 8 / width values a byte, least significant first ->
-        ``[..., m, 8 / width]``: (byte / 2^(width j)) mod 2^width, broadcast over j."""
-        count = 8 // width
-        (column,) = self.node("Unsqueeze", [packed, self.constant("axis_last", np.array([-1]))])
-        (shifted,) = self.node("Div", [column, self.constant(
-            f"uint8_powers{width}", (1 << (width * np.arange(count))).astype(np.uint8))])
-        (value,) = self.node("Mod", [shifted, self.constant(
-            f"uint8_{1 << width}", np.array(1 << width, np.uint8))])
-        return value
+    def zero_points(self, weight: _NBits, n: int, k: int) -> str | None:
+        """Zero points 0 for MatMulNBits blocks with minimums (made at load: a graph keeps no
+        initializer it does not read, so a table only gathered has none)."""
+        if weight.zero_points or not weight.minimums:
+            return weight.zero_points
+        name = f"{weight.scales}.zero_points"
+        if name not in self.constants:
+            self.constants.add(name)
+            columns = -(-(k // weight.block_size) * weight.bits // 8)  # packed as the weights
+            self.store.add_unpacked(name, {"op": "zeros", "shape": [n, columns]}, np.uint8,
+                                    (n, columns))
+        return name
 
     def matmul_nbits(self, x: str, weight: _NBits, n: int, k: int,
                      outputs: list[str] | int = 1) -> str:
         """x @ W^T from W's blocks; with minimums, + (x's block sums) @ minimums, which is
         sum_k x_k (scale q_k + minimum) summed block by block (llama.cpp's Q4_1 dot product)."""
         level = {"accuracy_level": INT8_COMPUTE} if self.int8_compute else {}
-        inputs = [x, weight.data, weight.scales] + ([weight.zero_points] if weight.zero_points
-                                                     else [])
+        zero = self.zero_points(weight, n, k)
+        inputs = [x, weight.data, weight.scales] + ([zero] if zero else [])
         final = outputs
         if weight.minimums:
             outputs = 1
@@ -499,13 +446,13 @@ class _Builder:
 
         vocab, hidden = packed.shape
         tie = is_tied(self.model) and self.token_ids is None
-        table = self.store_packed("lm_head" if tie else "embed", packed)
         if tie and packed.bits == 8 and not self.int8_compute:  # the output layer's folded
             # float weight [H, V] (packed_matmul), whose columns the lookup gathers
-            embed = self.folded("lm_head", table, vocab, hidden)
+            embed = self.folded("lm_head", packed)
             (columns,) = self.node("Gather", [embed, "input_ids"], axis=1)
             (x,) = self.node("Transpose", [columns], perm=[1, 2, 0])
             return x, (embed,)
+        table = self.store_packed("lm_head" if tie else "embed", packed)
         blocks, size = hidden // packed.block_size, packed.block_size
         if packed.bits == 4 and packed.minimums is None and size == QUANT_BLOCK_SIZE:
             (data,) = self.node("Reshape", [table.data, self.weight(
@@ -651,16 +598,35 @@ class _Builder:
                 self.weight("sin_cache", sin[0, :, :half].float()))
 
 
+def _values(packed) -> dict:
+    """The recipe of 8-bit blocks ``[N, B, size]`` whose values take ``value_bits`` (5 or 6):
+    the low 4 bits two a byte, the rest 8 / r a byte (runtime/unpack.py puts them together)."""
+    if packed.value_bits is None:
+        return {"op": "part", "array": packed.data}
+    value = packed.data - np.uint8(packed.offset)  # [N, B, size]
+    if value.max(initial=0) >> packed.value_bits:
+        raise ExportError(f"blocks said to hold {packed.value_bits}-bit values hold larger "
+                          "ones (an edgespec bug: please report it)")
+    rest = packed.value_bits - 4
+    shape = list(packed.data.shape)
+    return {"op": "values", "offset": packed.offset,
+            "low": {"op": "bits", "width": 4, "shape": shape,
+                    "of": {"op": "part", "array": _pack_bits(value & 15, 4)}},
+            "high": {"op": "bits", "width": rest, "shape": shape,
+                     "of": {"op": "part", "array": _pack_bits(value >> 4, rest)}}}
+
+
+def _factors(parts) -> dict:
+    """The recipe of float32 scales or minimums ``[N, B]`` from the file's float16 units and
+    6-bit steps (gguf_blocks.Factors)."""
+    return {"op": "factors", "unit": {"op": "part", "array": parts.unit},
+            "steps": None if parts.steps is None else {"op": "part", "array": parts.steps}}
+
+
 def _pack_bits(values: np.ndarray, width: int) -> np.ndarray:
-    """uint8 ``[..., m]`` of values below 2^width -> ``[..., m * width / 8]``, 8 / width a
-    byte, the first in the least significant bits (``_Builder.unpack_bits`` undoes it)."""
+    """uint8 values below 2^width -> 8 / width a byte, the first in the least significant bits
+    (runtime/unpack.py's "bits" undoes it)."""
     count = 8 // width
-    groups = values.reshape(*values.shape[:-1], -1, count).astype(np.uint8)
+    groups = values.reshape(-1, count).astype(np.uint8)
     shifts = (width * np.arange(count)).astype(np.uint8)
     return np.bitwise_or.reduce(groups << shifts, axis=-1).astype(np.uint8)
-
-
-def _uint8_zero():
-    from onnx import TensorProto, helper
-
-    return helper.make_tensor("zero", TensorProto.UINT8, [1], [0])

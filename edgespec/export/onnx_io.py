@@ -10,15 +10,17 @@ version"). A graph needs only the IR version that introduced the operator sets i
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
+from edgespec.runtime.unpack import DATA_NAME, LOCATION, UNPACK_NAME
+
 PROTOBUF_LIMIT = 2**31 - 2**26  # a .onnx file holds at most 2 GB; leave room for the graph
 EXTERNAL_ABOVE = 2**26  # graphs built here keep larger weights in model.onnx_data: inline
 # weights are held until the protobuf is written, and copied twice then (graph, serialized)
-DATA_NAME = "model.onnx_data"
 _ALIGN = 4096  # external weights start on a page, so onnxruntime can map them
 _MIN_CAST_SIZE = 1024  # smaller float weights are stored as float32: a Cast costs more
 _MIN_EXTERNAL_BYTES = 4096
@@ -38,7 +40,9 @@ class WeightStore:
         self.counts: Counter = Counter()  # float weights per stored type
         self.written = 0  # bytes of weights stored so far
         self.keep_precision = keep_precision
+        self.folder, self.external = folder, external
         self._data = open(folder / DATA_NAME, "wb") if external else None
+        self.recipes: dict[str, dict] = {}  # tensors made at load (runtime/unpack.py)
 
     def __enter__(self) -> "WeightStore":
         return self
@@ -46,6 +50,46 @@ class WeightStore:
     def __exit__(self, *exc) -> None:
         if self._data:
             self._data.close()
+        if self.recipes and exc[0] is None:
+            (self.folder / UNPACK_NAME).write_text(json.dumps(self.recipes) + "\n")
+
+    def add_unpacked(self, name: str, recipe: dict, dtype, shape: tuple[int, ...]) -> str:
+        """A tensor made when the graph loads (runtime/unpack.py) from ``recipe``, whose
+        ``{"op": "part", "array": a}`` leaves are written to the data file here; the graph
+        declares it as an initializer at unpack.LOCATION. Returns ``name``."""
+        from onnx import TensorProto, helper
+
+        if self._data is None:  # parts always go to the data file, however small the graph
+            self._data = open(self.folder / DATA_NAME, "wb")
+        self.recipes[name] = self._write_parts(recipe)
+        tensor = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(
+            np.dtype(dtype)), dims=list(shape))
+        tensor.data_location = TensorProto.EXTERNAL
+        tensor.external_data.add(key="location", value=LOCATION)
+        self.initializers.append(tensor)
+        return name
+
+    def _write_parts(self, recipe: dict) -> dict:
+        out = {}
+        for key, value in recipe.items():
+            if isinstance(value, dict):
+                out[key] = self._write_parts(value)
+            elif key == "array":
+                array = np.ascontiguousarray(value)
+                offset = self._append(array)
+                out.update(offset=offset, length=array.nbytes, dtype=array.dtype.name,
+                           shape=list(array.shape))
+            else:
+                out[key] = value
+        return out
+
+    def _append(self, array: np.ndarray) -> int:
+        """Write ``array`` at the data file's next aligned offset; returns the offset."""
+        offset = -self._data.tell() % _ALIGN + self._data.tell()
+        self._data.seek(offset)
+        self._data.write(array.data)  # the array's own bytes, no copy
+        self.written += array.nbytes
+        return offset
 
     def add(self, name: str, value, nodes: list, counted: bool = True) -> str:
         """Store ``value`` (a torch tensor or NumPy array) as ``name``; returns the name to use.
@@ -68,18 +112,16 @@ class WeightStore:
         if counted and data_type in (TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.FLOAT16):
             self.counts[TensorProto.DataType.Name(data_type).lower()] += 1
         tensor = TensorProto(name=stored, data_type=data_type, dims=dims)
-        if self._data is None or array.nbytes < _MIN_EXTERNAL_BYTES:  # shapes and axes stay
+        if not self.external or array.nbytes < _MIN_EXTERNAL_BYTES:  # shapes and axes stay
             # inline: onnxruntime's shape inference reads them before external data is loaded
             tensor.raw_data = array.tobytes()
+            self.written += array.nbytes
         else:
-            offset = -self._data.tell() % _ALIGN + self._data.tell()
-            self._data.seek(offset)
-            self._data.write(array.data)  # the array's own bytes, no copy
+            offset = self._append(array)
             tensor.data_location = TensorProto.EXTERNAL
             for key, val in (("location", DATA_NAME), ("offset", str(offset)),
                              ("length", str(array.nbytes))):
                 tensor.external_data.add(key=key, value=val)
-        self.written += array.nbytes
         self.initializers.append(tensor)
         return name
 
@@ -133,6 +175,8 @@ def save_model(model, folder: Path) -> None:
     """Replace folder/model.onnx (and its external data when the weights pass 2 GB)."""
     import onnx
 
+    if (folder / UNPACK_NAME).exists():  # its parts live in the data file removed below
+        raise RuntimeError(f"{folder}: a graph with tensors made at load is not rewritten")
     model.ir_version = min_ir_version(model)
     for stale in folder.glob("model.onnx*"):
         stale.unlink()

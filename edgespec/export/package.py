@@ -38,6 +38,7 @@ from edgespec.export.precision import (
     store_exact_halves,
 )
 from edgespec.export.gguf import GGUFCheckpoint, GGUFTensors, find_gguf
+from edgespec.export.gguf_blocks import REPACKED
 from edgespec.export.pair import Checkpoint, check_pair, read_checkpoint
 from edgespec.export.runs import TARGET_COMPUTES, choose_runs, set_compute
 from edgespec.export.tensors import CheckpointTensors, ModelTensors, safetensors_files
@@ -274,7 +275,15 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
     if role == "target" and variant != "fp16":
         report.detail("measuring the target's runs: compute, rows, costs")
         spec, runs = choose_runs(root, spec, ckpt.max_positions, target_compute, report.detail)
-    if weights and validation != "skip" and not weights["requantized"] and spec.compute != "float":
+    eight_bit = weights and any(REPACKED[kind] == 8 for kind in
+                                weights["tensors"].get("repacked", {}))
+    if weights and validation != "skip" and not weights["requantized"] and spec.compute != "float" \
+            and eight_bit:  # float compute would dequantize every 8-bit matrix on every run
+        # (gigabytes for a 1.5B model): the blocks are the float package's, checked there
+        weights["repack_check"] = {"skipped": "8-bit blocks; a float-compute export of the "
+                                              "same file checks them at fp32's gate"}
+    elif weights and validation != "skip" and not weights["requantized"] and \
+            spec.compute != "float":
         report.detail("checking the repacked blocks against PyTorch in float compute (fp32's gate)")
         exact, failures = _check_repacked(expected, ids, root, spec, ckpt.max_positions, role)
         _refuse_failures(failures, validation, role, report)

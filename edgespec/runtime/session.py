@@ -9,6 +9,7 @@ import onnxruntime as ort
 
 from edgespec.errors import ManifestError
 from edgespec.manifest import ModelSpec
+from edgespec.runtime import unpack
 from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
 from edgespec.runtime.package_checks import check_graph_io, check_probe_run
 from edgespec.runtime.providers import SessionConfig, fallback_warning, provider_chain
@@ -44,8 +45,8 @@ class ModelSession:
         options.intra_op_num_threads = config.threads
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.spin else "0")
-        try:
-            self.session = ort.InferenceSession(str(path), options, providers=chain)
+        try:  # with the tensors made from a GGUF file's compact blocks (runtime/unpack.py)
+            self.session = unpack.inference_session(path, options, chain)
         except Exception as e:  # onnxruntime raises its own untyped errors for bad files
             raise ManifestError(f"cannot load {path}: {e}; re-export the pair") from None
         self.providers = self.session.get_providers()

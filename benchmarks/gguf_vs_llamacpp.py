@@ -1,5 +1,6 @@
-"""SmolLM2-135M-Instruct: the same Q4_1 GGUF in edgespec (repacked, target-only package) and in
-llama.cpp, side by side (issue 28, item 5).
+"""Any GGUF file (and a draft GGUF beside it) in edgespec and in llama.cpp, side by side: the
+same files, the same prompts, taken in turns in one run (issue 28, item 5; issue 35, item 3).
+Written for SmolLM2-135M-Instruct (Q4_1), used for the Qwen2.5-Coder 1.5B/0.5B pair.
 
 Three measurements, each a subcommand that writes one JSON file:
 
@@ -15,19 +16,22 @@ Three measurements, each a subcommand that writes one JSON file:
                 positions), taken in turns, medians of the repeats.
     lookup      llama-lookup against edgespec's n-gram drafting, greedy, on the package's task
                 prompts (edgespec/bench_prompts.jsonl) rendered with the chat template.
-    speculative every drafter of both, per task prompt, at each temperature: llama-lookup and
+    speculative every drafter of both, per task prompt, at each temperature: llama.cpp's plain
+                decoding (llama-bench tg, the same number of tokens), llama-lookup and
                 llama-speculative (its draft-model decoding, with --draft-gguf: the package's
                 draft converted by llama.cpp's convert_hf_to_gguf.py), and edgespec target-only,
                 n-gram (adaptive) and the package's draft model (fixed k for each --ks, and
-                adaptive); tokens/s, acceptance, and whether greedy tokens equal target-only's.
+                adaptive); tokens/s, acceptance, and whether greedy tokens equal target-only's;
+                the summary's "headline": per temperature, llama.cpp's best against edgespec's
+                best (median tokens/s over the prompts).
 
 Run from the repository root with the package built by ``edgespec export --target FILE.gguf``:
 
-    python benchmarks/smollm2_vs_llamacpp.py perplexity --pkg PKG --gguf FILE --llama BIN \
+    python benchmarks/gguf_vs_llamacpp.py perplexity --pkg PKG --gguf FILE --llama BIN \
         --text benchmarks/prompts/perplexity_text.txt --json OUT.json
-    python benchmarks/smollm2_vs_llamacpp.py decode --pkg PKG --gguf FILE --llama BIN --json OUT.json
-    python benchmarks/smollm2_vs_llamacpp.py lookup --pkg PKG --gguf FILE --llama BIN --json OUT.json
-    python benchmarks/smollm2_vs_llamacpp.py speculative --pkg PKG --gguf FILE --llama BIN \
+    python benchmarks/gguf_vs_llamacpp.py decode --pkg PKG --gguf FILE --llama BIN --json OUT.json
+    python benchmarks/gguf_vs_llamacpp.py lookup --pkg PKG --gguf FILE --llama BIN --json OUT.json
+    python benchmarks/gguf_vs_llamacpp.py speculative --pkg PKG --gguf FILE --llama BIN \
         --draft-gguf DRAFT.gguf --json OUT.json
 
 BIN is llama.cpp's build/bin. Every record holds the load average at its start (the machine is
@@ -394,6 +398,8 @@ def cmd_speculative(args) -> dict:
         configs["edgespec_model_adaptive"] = dict(drafter="model", schedule="adaptive",
                                                   draft_length=max(ks))
     prompts = [json.loads(l) for l in Path(args.prompts).read_text().splitlines() if l.strip()]
+    if args.kinds:
+        prompts = [p for p in prompts if p.get("kind") in args.kinds.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     rows = []
     for p in prompts[: args.limit]:
@@ -402,10 +408,13 @@ def cmd_speculative(args) -> dict:
         for temperature in temperatures:
             row = {"kind": p.get("kind"), "temperature": temperature, "prompt_tokens": len(ids),
                    "load_average_start": load_average()}
-            runs = {"llamacpp_lookup": [], **({"llamacpp_speculative": []} if args.draft_gguf
-                                             else {}), **{k: [] for k in configs}}
+            runs = {"llamacpp_plain": [], "llamacpp_lookup": [],
+                    **({"llamacpp_speculative": []} if args.draft_gguf else {}),
+                    **{k: [] for k in configs}}
             for repeat in range(args.repeats):
                 seed = args.seed + repeat
+                runs["llamacpp_plain"].append(llama_bench_tg(bin_dir, args.gguf, args.n,
+                                                             args.threads))
                 lookup = lookup_command(bin_dir, args.gguf, text, args.n, args.threads,
                                         args.draft, temperature, seed)
                 runs["llamacpp_lookup"].append(_llama_run(lookup, "llama-lookup"))
@@ -447,8 +456,8 @@ def summarize_speculative(rows: list[dict]) -> dict:
             group = [r for r in at_t if kind in ("all", r["kind"])]
             out = {}
             for name in group[0]["median_tokens_per_s"]:
-                drafted = sum(x["drafted"] or 0 for r in group for x in r["runs"][name])
-                accepted = sum(x["accepted"] or 0 for r in group for x in r["runs"][name])
+                drafted = sum(x.get("drafted") or 0 for r in group for x in r["runs"][name])
+                accepted = sum(x.get("accepted") or 0 for r in group for x in r["runs"][name])
                 out[name] = {
                     "tokens_per_s": statistics.median(r["median_tokens_per_s"][name] for r in group),
                     "speedup_vs_edgespec_none": statistics.median(
@@ -456,6 +465,20 @@ def summarize_speculative(rows: list[dict]) -> dict:
                         for r in group),
                     "acceptance": accepted / drafted if drafted else None}
             summary[f"T={temperature} {kind}"] = out
+        every = summary[f"T={temperature} all"]
+        llama = max((k for k in every if k.startswith("llamacpp")),
+                    key=lambda k: every[k]["tokens_per_s"])
+        ours = max((k for k in every if k.startswith("edgespec")),
+                   key=lambda k: every[k]["tokens_per_s"])
+        summary[f"T={temperature} headline"] = {
+            "llamacpp_best": llama, "llamacpp_tokens_per_s": every[llama]["tokens_per_s"],
+            "edgespec_best": ours, "edgespec_tokens_per_s": every[ours]["tokens_per_s"],
+            "edgespec_over_llamacpp": every[ours]["tokens_per_s"] / every[llama]["tokens_per_s"],
+            "edgespec_best_over_target_only": every[ours]["speedup_vs_edgespec_none"]}
+        print(f"T={temperature}: llama.cpp's best {llama} {every[llama]['tokens_per_s']:.1f} "
+              f"tok/s, edgespec's best {ours} {every[ours]['tokens_per_s']:.1f} tok/s "
+              f"({every[ours]['tokens_per_s'] / every[llama]['tokens_per_s']:.2f}x; "
+              f"{every[ours]['speedup_vs_edgespec_none']:.2f}x edgespec target-only)")
     return summary
 
 
@@ -494,6 +517,8 @@ def main() -> None:
             p.add_argument("--ks", default="1,2,3,4", help="edgespec's fixed draft lengths")
             p.add_argument("--temperatures", default="0,0.7")
             p.add_argument("--seed", type=int, default=1)
+            p.add_argument("--kinds", help="only these prompt kinds (comma list: code, "
+                                           "question, summarize)")
     args = parser.parse_args()
     record = {"machine": machine_line(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "gguf": args.gguf, "package": args.pkg, "subcommand": args.command}

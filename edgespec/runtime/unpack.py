@@ -1,0 +1,159 @@
+"""Weights a package stores in about a GGUF file's bytes, put together with NumPy when a graph loads.
+
+A GGUF file's blocks hold 5- and 6-bit values, float16 scales and 6-bit sub-block scales;
+onnxruntime's MatMulNBits reads bytes and float32 scales. Stored as MatMulNBits reads them, a
+Q5_0 file would grow by half and a Q6_K one by a quarter; stored as the file has them and
+unpacked by constant operators in the graph, onnxruntime's constant folding keeps every
+intermediate it made (3.3 GB resident for Qwen2.5-Coder-0.5B's 0.5 GB draft). So the export
+(export/fused.py) writes the file's parts to the graph's data file and declares each tensor
+MatMulNBits reads as an initializer at the external location ``LOCATION``, and ``read``
+computes them here from the recipes in ``UNPACK_NAME``, handed to onnxruntime as external
+initializers: one tensor at a time, nothing kept but the results.
+
+A recipe is a small JSON tree (the names: export/fused.py's ``_Recipes``):
+
+    {"op": "part", "offset", "length", "dtype", "shape"}   bytes of the data file, as stored
+    {"op": "bits", "of", "width", "shape"}                 8 / width fields a byte, low first
+    {"op": "values", "low", "high", "offset"}              low + 16 high + offset (uint8)
+    {"op": "factors", "unit", "steps"}                     float(unit) per group * float(steps)
+    {"op": "transpose", "of"}                              a 2-D transpose
+    {"op": "zeros", "shape"}                               uint8 zeros
+    {"op": "dequantize", "values", "scales", "minimums", "zero"}
+                                  (values - zero) * scales (+ minimums), [N, K] float32
+
+A package comes from anyone: every offset, length, shape and type is checked against the data
+file before anything is read or allocated, and a recipe is at most a few levels deep.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from edgespec.errors import ManifestError
+
+UNPACK_NAME = "unpack.json"
+LOCATION = "edgespec.unpacked"  # the external-data location of tensors made at load
+DATA_NAME = "model.onnx_data"
+_DTYPES = {"uint8": np.uint8, "int8": np.int8, "float16": np.float16, "float32": np.float32}
+_DEPTH = 6
+_GROWTH = 16  # a recipe makes at most this many bytes from a byte of the data file
+
+
+def inference_session(path: Path, options=None, providers=("CPUExecutionProvider",)):
+    """An onnxruntime session of the graph at ``path``, given the tensors its folder's recipes
+    make (``read``); they stay referenced by the session for as long as it lives."""
+    import onnxruntime as ort
+
+    made = read(Path(path).parent)
+    options = options or ort.SessionOptions()
+    if made:
+        options.add_external_initializers(
+            list(made), [ort.OrtValue.ortvalue_from_numpy(a) for a in made.values()])
+    session = ort.InferenceSession(str(path), options, providers=list(providers))
+    session.edgespec_unpacked = made  # onnxruntime reads these buffers; they must outlive it
+    return session
+
+
+def read(folder: Path) -> dict[str, np.ndarray]:
+    """The tensors ``folder/UNPACK_NAME`` describes, by initializer name ({} without one)."""
+    path = Path(folder) / UNPACK_NAME
+    if not path.is_file():
+        return {}
+    try:
+        recipes = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"cannot read {path} ({e}); re-export the pair") from None
+    if not isinstance(recipes, dict):
+        raise ManifestError(f"{path} must hold an object of recipes; re-export the pair")
+    data_path = Path(folder) / DATA_NAME
+    if not data_path.is_file() or data_path.is_symlink():
+        raise ManifestError(f"{path} needs {data_path}, which is missing; re-export the pair")
+    data = np.memmap(data_path, dtype=np.uint8, mode="r")
+    budget = _GROWTH * len(data)
+    out = {}
+    for name, recipe in recipes.items():
+        try:
+            value = _make(recipe, data, 0)
+            budget -= value.nbytes
+            if budget < 0:
+                raise ValueError("its recipes make far more bytes than its data file holds")
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            raise ManifestError(f"{path}: {name[:80]!r} cannot be made ({str(e)[:200]}); "
+                                "re-export the pair") from None
+        out[str(name)] = value
+    return out
+
+
+def _make(recipe: dict, data: np.ndarray, depth: int) -> np.ndarray:
+    if depth > _DEPTH or not isinstance(recipe, dict):
+        raise ValueError("a recipe must be an object, at most a few levels deep")
+    op = recipe["op"]
+    make = lambda key: _make(recipe[key], data, depth + 1)  # noqa: E731
+    if op == "part":
+        dtype = np.dtype(_DTYPES[recipe["dtype"]])
+        shape = _shape(recipe["shape"])
+        offset, length = int(recipe["offset"]), int(recipe["length"])
+        if offset < 0 or length != int(np.prod(shape)) * dtype.itemsize or \
+                offset + length > len(data):
+            raise ValueError(f"part [{offset}, +{length}) of {dtype.name} {shape} does not lie "
+                             f"in the data file's {len(data)} bytes")
+        return np.asarray(data[offset:offset + length]).view(dtype).reshape(shape)
+    if op == "bits":
+        packed, width, shape = make("of"), int(recipe["width"]), _shape(recipe["shape"])
+        if width not in (1, 2, 4) or packed.dtype != np.uint8 or \
+                packed.size * (8 // width) != np.prod(shape):
+            raise ValueError(f"{packed.size} bytes of {width}-bit fields are not {shape}")
+        shifts = (width * np.arange(8 // width)).astype(np.uint8)
+        fields = (packed[..., None] >> shifts) & np.uint8((1 << width) - 1)
+        return fields.reshape(shape)
+    if op == "values":
+        low, high = make("low"), make("high")
+        if low.shape != high.shape or low.dtype != np.uint8 or high.dtype != np.uint8:
+            raise ValueError("a value's two planes differ in shape or type")
+        out = high << np.uint8(4)
+        out |= low
+        out += np.uint8(int(recipe["offset"]) & 255)
+        return out
+    if op == "factors":
+        unit = make("unit").astype(np.float32)
+        if recipe.get("steps") is None:
+            return unit
+        steps = make("steps")
+        if unit.ndim != 2 or steps.ndim != 2 or len(unit) != len(steps) or \
+                steps.shape[1] % unit.shape[1]:
+            raise ValueError(f"factors {unit.shape} and {steps.shape} do not match")
+        group = steps.shape[1] // unit.shape[1]
+        out = steps.astype(np.float32).reshape(len(unit), -1, group)
+        out *= unit[..., None]
+        return out.reshape(steps.shape)
+    if op == "transpose":
+        value = make("of")
+        if value.ndim != 2:
+            raise ValueError("only 2-D tensors are transposed")
+        return np.ascontiguousarray(value.T)
+    if op == "zeros":
+        return np.zeros(_shape(recipe["shape"]), np.uint8)
+    if op == "dequantize":
+        values, scales = make("values"), make("scales")
+        if values.ndim != 3 or scales.shape != values.shape[:2]:
+            raise ValueError(f"values {values.shape} and scales {scales.shape} do not match")
+        w = values.astype(np.float32)
+        w -= np.float32(int(recipe["zero"]))
+        w *= scales[..., None]
+        if recipe.get("minimums") is not None:
+            lows = make("minimums")
+            if lows.shape != scales.shape:
+                raise ValueError("minimums and scales differ in shape")
+            w += lows[..., None]
+        return w.reshape(len(w), -1)
+    raise ValueError(f"unknown op {str(op)[:40]!r}")
+
+
+def _shape(value) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > 4 or \
+            not all(isinstance(v, int) and 0 <= v < 2**31 for v in value):
+        raise ValueError(f"a shape must be a list of at most 4 sizes, got {str(value)[:60]}")
+    return tuple(value)
