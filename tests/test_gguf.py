@@ -384,15 +384,17 @@ def test_greedy_output_with_ngram_drafting_is_target_only(packages, name):
 def test_a_gguf_pair_quantized_draft_is_exact(files, tmp_path):
     """A GGUF target with a GGUF draft (a folder holding one .gguf): the pair checks pass and
     greedy output with the draft is target-only output; a draft asked to be int4 computes in
-    int8, its 8-bit blocks (a Q8_0 table) repacked too, checked in float compute."""
+    int8, its 4-bit blocks kept and its 8-bit ones (a Q8_0 table) quantized to int4."""
     folder = tmp_path / "draft"
     folder.mkdir()
     # the target's weights, every matrix in a repacked type (its layer 1 ffn_down is F16)
     write_gguf(folder / "model.gguf", "llama", {**LLAMA, "ffn_down.1": "Q4_1"}, seed=1)
     manifest = export_pair(files["llama"], folder, tmp_path / "pair", draft_quantize="int4")
     assert manifest.draft.compute == "int8" and manifest.source["draft"].endswith("model.gguf")
-    assert manifest.draft.validation["gguf"]["tensors"]["repacked"]["Q8_0"] == 3
-    assert "skipped" in manifest.draft.validation["gguf"]["repack_check"]  # 8-bit: see below
+    weights = manifest.draft.validation["gguf"]
+    assert weights["tensors"]["repacked"] == {"Q4_0": 4, "Q4_1": 8}
+    assert weights["tensors"]["dequantized"] == {"Q8_0": 3} and weights["requantized"]
+    assert manifest.draft.quantization == "int4"
     pipe = edgespec.load(tmp_path / "pair")
     prompt = "for i in range(10):\n    print(i * i)\n"
     baseline = pipe.generate(prompt, max_new_tokens=24, drafter="none").token_ids

@@ -227,9 +227,12 @@ class _Builder:
                       QUANT_BLOCK_SIZE)
 
     def packed(self, names: list[str]):
-        """The source's own blocks of these weights (export/gguf.py's Packed), or None."""
+        """The source's own blocks of these weights (export/gguf.py's Packed), or None: blocks
+        wider than ``bits`` are read as floats and quantized to ``bits`` (a GGUF draft asked to
+        be int4: its Q5_0/Q8_0 blocks made 4-bit, half the bytes a step reads)."""
         hand_over = getattr(self.tensors, "packed", None)
-        return hand_over(names) if hand_over else None
+        widths = tuple(w for w in (4, 8) if not self.bits or w <= self.bits)
+        return hand_over(names, widths) if hand_over else None
 
     def packed_matmul(self, name: str, x: str, packed, outputs: list[str] | int = 1) -> str:
         """x @ W^T from a source's blocks: a MatMulNBits, except 8-bit blocks in float compute.

@@ -33,7 +33,7 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgespec.errors import EdgespecError
@@ -78,6 +78,7 @@ class NamedModel:
     target: GGUFFile
     draft: GGUFFile | str | None = None  # a second file, or a folder of trained layers
     target_compute: str = "float"  # the package's default (models build --target-compute)
+    draft_export: dict = field(default_factory=dict)  # export_pair's draft settings
 
 
 _MB50 = 52_428_800
@@ -212,7 +213,7 @@ def build(name: str, source: Path | None = None, progress: Progress = print,
         progress(f"exporting {sizes} into a package...")
         staged = Path(tmp) / "package"
         export_pair(gguf, draft, staged, progress=progress, draft_token_ids=token_ids,
-                    target_compute=target_compute or model.target_compute)
+                    target_compute=target_compute or model.target_compute, **model.draft_export)
         if out.exists():  # --overwrite: only a package this function built stands there
             shutil.rmtree(out)
         staged.rename(out)

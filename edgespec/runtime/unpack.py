@@ -94,7 +94,7 @@ def _make(recipe: dict, data: np.ndarray, depth: int) -> np.ndarray:
     make = lambda key: _make(recipe[key], data, depth + 1)  # noqa: E731
     if op == "part":
         dtype = np.dtype(_DTYPES[recipe["dtype"]])
-        shape = _shape(recipe["shape"])
+        shape = _shape(recipe["shape"], len(data))
         offset, length = int(recipe["offset"]), int(recipe["length"])
         if offset < 0 or length != int(np.prod(shape)) * dtype.itemsize or \
                 offset + length > len(data):
@@ -102,7 +102,8 @@ def _make(recipe: dict, data: np.ndarray, depth: int) -> np.ndarray:
                              f"in the data file's {len(data)} bytes")
         return np.asarray(data[offset:offset + length]).view(dtype).reshape(shape)
     if op == "bits":
-        packed, width, shape = make("of"), int(recipe["width"]), _shape(recipe["shape"])
+        packed, width = make("of"), int(recipe["width"])
+        shape = _shape(recipe["shape"], _GROWTH * len(data))
         if width not in (1, 2, 4) or packed.dtype != np.uint8 or \
                 packed.size * (8 // width) != np.prod(shape):
             raise ValueError(f"{packed.size} bytes of {width}-bit fields are not {shape}")
@@ -135,7 +136,7 @@ def _make(recipe: dict, data: np.ndarray, depth: int) -> np.ndarray:
             raise ValueError("only 2-D tensors are transposed")
         return np.ascontiguousarray(value.T)
     if op == "zeros":
-        return np.zeros(_shape(recipe["shape"]), np.uint8)
+        return np.zeros(_shape(recipe["shape"], _GROWTH * len(data)), np.uint8)
     if op == "dequantize":
         values, scales = make("values"), make("scales")
         if values.ndim != 3 or scales.shape != values.shape[:2]:
@@ -152,8 +153,11 @@ def _make(recipe: dict, data: np.ndarray, depth: int) -> np.ndarray:
     raise ValueError(f"unknown op {str(op)[:40]!r}")
 
 
-def _shape(value) -> tuple[int, ...]:
+def _shape(value, limit: int) -> tuple[int, ...]:
+    """A recipe's shape, of at most ``limit`` elements."""
     if not isinstance(value, list) or len(value) > 4 or \
             not all(isinstance(v, int) and 0 <= v < 2**31 for v in value):
         raise ValueError(f"a shape must be a list of at most 4 sizes, got {str(value)[:60]}")
+    if int(np.prod(value, dtype=np.float64)) > limit:
+        raise ValueError(f"{value} makes far more bytes than its data file holds")
     return tuple(value)

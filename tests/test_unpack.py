@@ -1,0 +1,86 @@
+"""Tensors made at load from a package's recipes (runtime/unpack.py): what they make, and a
+hostile recipe refused with one line before anything is read past the data file or allocated
+beyond a bound."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from edgespec.errors import ManifestError
+from edgespec.export.gguf_blocks import repack
+from edgespec.runtime import unpack
+
+
+def _folder(tmp_path, recipes: dict, data: bytes = bytes(range(256)) * 4):
+    (tmp_path / unpack.DATA_NAME).write_bytes(data)
+    (tmp_path / unpack.UNPACK_NAME).write_text(json.dumps(recipes))
+    return tmp_path
+
+
+def _part(offset: int, shape: list[int], dtype: str = "uint8") -> dict:
+    length = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return {"op": "part", "offset": offset, "length": length, "dtype": dtype, "shape": shape}
+
+
+def test_recipes_written_by_the_exporter_make_the_blocks_matmulnbits_reads(tmp_path):
+    """A Q6_K and a Q5_K weight through the exporter's recipes (5/6-bit values in two bit
+    planes, scales and minimums as float16 x 6-bit factors) equal the repacked arrays."""
+    from edgespec.export import fused
+    from edgespec.export.onnx_io import WeightStore
+
+    rng = np.random.default_rng(0)
+    raw = {}
+    for qtype, size in (("Q6_K", 210), ("Q5_K", 176)):
+        blocks = rng.integers(0, 256, (8, 2, size), dtype=np.uint8)
+        d = rng.uniform(1e-5, 1e-4, (8, 2, 1)).astype(np.float16).view(np.uint8)
+        blocks[..., -2:] = d if qtype == "Q6_K" else blocks[..., -2:]
+        if qtype == "Q5_K":
+            blocks[..., 0:2], blocks[..., 2:4] = d, d
+        raw[qtype] = repack(blocks.reshape(8, -1), qtype)
+    with WeightStore(tmp_path, external=False, keep_precision=True) as store:
+        for qtype, packed in raw.items():
+            store.add_unpacked(f"{qtype}.values", fused._values(packed), np.uint8,
+                               packed.data.shape)
+            store.add_unpacked(f"{qtype}.scales", fused._factors(packed.scale_parts),
+                               np.float32, packed.scales.shape)
+        lows = raw["Q5_K"].minimum_parts
+        store.add_unpacked("Q5_K.minimums", {"op": "transpose", "of": fused._factors(lows)},
+                           np.float32, raw["Q5_K"].minimums.T.shape)
+    made = unpack.read(tmp_path)
+    for qtype, packed in raw.items():
+        np.testing.assert_array_equal(made[f"{qtype}.values"], packed.data)
+        np.testing.assert_array_equal(made[f"{qtype}.scales"], packed.scales)
+    np.testing.assert_array_equal(made["Q5_K.minimums"], raw["Q5_K"].minimums.T)
+
+
+@pytest.mark.parametrize("recipe,match", [
+    (_part(1000, [100]), "does not lie in the data file"),
+    ({**_part(0, [4]), "length": 3}, "does not lie in the data file"),
+    ({**_part(0, [4]), "dtype": "object"}, "cannot be made"),
+    ({"op": "bits", "width": 3, "shape": [8], "of": _part(0, [3])}, "3-bit fields"),
+    ({"op": "zeros", "shape": [2**30, 2**30]}, "far more bytes than its data file"),
+    ({"op": "zeros", "shape": [2**20, 64]}, "far more bytes than its data file"),
+    ({"op": "transpose", "of": {"op": "transpose", "of": {"op": "transpose", "of": {
+        "op": "transpose", "of": {"op": "transpose", "of": {"op": "transpose", "of": {
+            "op": "transpose", "of": _part(0, [2, 2])}}}}}}}, "at most a few levels deep"),
+    ({"op": "exec", "code": "1"}, "unknown op"),
+    ([1, 2], "at most a few levels deep"),
+])
+def test_a_hostile_recipe_is_one_line(tmp_path, recipe, match):
+    folder = _folder(tmp_path, {"w": recipe})
+    with pytest.raises(ManifestError, match=match) as error:
+        unpack.read(folder)
+    assert "\n" not in str(error.value) and "re-export" in str(error.value)
+
+
+def test_a_data_file_that_is_a_link_is_refused(tmp_path):
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(bytes(64))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / unpack.DATA_NAME).symlink_to(outside)
+    (tmp_path / "pkg" / unpack.UNPACK_NAME).write_text(json.dumps({"w": _part(0, [4])}))
+    with pytest.raises(ManifestError, match="missing"):
+        unpack.read(tmp_path / "pkg")
