@@ -34,3 +34,11 @@ def one_line(error: BaseException | str, limit: int | None = 200) -> str:
     if limit is None or len(text) <= limit:
         return text
     return text[: limit - 3] + "..."
+
+
+def shown(text: str, limit: int = 80) -> str:
+    """Text from a file (a name, a key) as a message may show it: quoted and escaped as repr
+    does, so no control character (a terminal's escape sequence) reaches the terminal raw, and
+    cut to ``limit`` characters."""
+    text = repr(str(text))
+    return text if len(text) <= limit else text[: limit - 4] + "...'"

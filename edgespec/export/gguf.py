@@ -32,6 +32,7 @@ import torch
 from edgespec.errors import ExportError
 from edgespec.export.pair import Checkpoint
 from edgespec.export.gguf_blocks import REPACKED, Packed, concat, repack
+from edgespec.export.gguf_header import check_gguf
 from edgespec.export.tensors import TensorIndex
 
 # the general.architecture values read (llama.cpp writes Mistral models as "llama")
@@ -135,8 +136,10 @@ def _head_dim(reader, architecture: str, config, file: Path, role: str) -> int:
 
 
 def _reader(file: Path, role: str):
+    """gguf-py's reader of ``file``, once its header is checked (gguf_header.py says why)."""
     from gguf import GGUFReader
 
+    check_gguf(file, role)
     try:
         return GGUFReader(file)
     except (ValueError, OSError, KeyError, IndexError, TypeError) as e:

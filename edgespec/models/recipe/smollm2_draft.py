@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from edgespec.export.gguf_header import check_gguf
 from edgespec.models.recipe import chat_prompts
 from edgespec.models.recipe.distill import GENERATION_TEMPERATURES, sparse_kl, warmup_cosine
 
@@ -52,6 +53,8 @@ def load_target(path: Path) -> tuple[LlamaForCausalLM, object]:
     folder."""
     path = Path(path)
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    if kwargs:  # transformers' GGUF loader trusts the file's counts (gguf_header.py)
+        check_gguf(path, "target")
     folder = path.parent if kwargs else path
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, **kwargs)
