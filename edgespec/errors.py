@@ -36,9 +36,9 @@ def one_line(error: BaseException | str, limit: int | None = 200) -> str:
     return text[: limit - 3] + "..."
 
 
-def shown(text: str, limit: int = 80) -> str:
-    """Text from a file (a name, a key) as a message may show it: quoted and escaped as repr
-    does, so no control character (a terminal's escape sequence) reaches the terminal raw, and
-    cut to ``limit`` characters."""
-    text = repr(str(text))
-    return text if len(text) <= limit else text[: limit - 4] + "...'"
+def shown(value: object, limit: int = 80) -> str:
+    """A value from a file (a name, a key, a setting) as a message may show it: its repr, so a
+    string is quoted and no control character (a terminal's escape sequence) reaches the terminal
+    raw, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

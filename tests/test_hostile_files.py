@@ -164,3 +164,270 @@ def test_a_tensor_larger_than_its_file_is_refused(tmp_path):
     bad.write_bytes(data[:shape_at] + struct.pack("<Q", 1 << 60) + data[shape_at + 8:])
     with pytest.raises(ExportError, match="larger than the file"):
         check_gguf(bad, "target")
+
+
+# -- EAGLE-3 head folders -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    """A tiny Llama target folder with its tokenizer (safetensors weights)."""
+    from conftest import _hf_tokenizer, _save, _train_words, llama
+
+    words = _hf_tokenizer(_train_words(["a", "b", "c", "d", "e"]))
+    return _save(llama(len(words), 64, 3, seed=1), words,
+                 tmp_path_factory.mktemp("hostile") / "target")
+
+
+def _head(tmp_path: Path, target: Path, edit_config=None) -> Path:
+    from transformers import AutoConfig
+
+    from edgespec.export.eagle3 import write_random_head
+
+    folder = write_random_head(tmp_path / "head", AutoConfig.from_pretrained(target),
+                               aux_layers=(0, 1, 2))
+    if edit_config is not None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(edit_config(config)))
+    return folder
+
+
+def _read_head(folder: Path, target: Path):
+    from transformers import AutoConfig
+
+    from edgespec.export.eagle3 import HeadTensors, is_eagle3_head, read_head_config
+
+    assert is_eagle3_head(folder)
+    return HeadTensors(read_head_config(folder, AutoConfig.from_pretrained(target)))
+
+
+def test_the_written_head_reads(tmp_path, target):
+    """The cases below fail for their one change: the unchanged head reads."""
+    assert "fc.weight" in _read_head(_head(tmp_path, target), target)
+
+
+def _set(**values):
+    return lambda config: {**config, **values}
+
+
+HEAD_CONFIGS = {
+    # Before: AttributeError ('list' object has no attribute 'get').
+    "not_an_object": (lambda config: [config], "is not a JSON object"),
+    # Before: AttributeError ('int' object has no attribute 'get').
+    "eagle_config": (_set(eagle_config=5), "eagle_config 5 is not an object"),
+    # Before: TypeError (object of type 'int' has no len()).
+    "aux_layers": (_set(eagle_config={"eagle_aux_hidden_state_layer_ids": 7}),
+                   "aux hidden-state layers 7"),
+    # Before: ValueError (could not convert string to float).
+    "eps": (_set(rms_norm_eps="small"), "rms_norm_eps 'small' is not a positive number"),
+    # Before: a head of 0 key/value heads was read as one of 4 (``or heads``), then refused
+    # as malformed weights.
+    "kv_heads": (_set(num_key_value_heads=0), "num_key_value_heads 0 is not an integer"),
+    # Before: read and built: RuntimeError from torch (a negative dimension).
+    "intermediate": (_set(intermediate_size=-5), "intermediate_size -5 is not an integer"),
+    "rope_theta": (_set(rope_theta="x"), "rope_theta 'x' is not a positive number"),
+    "draft_vocab": (_set(draft_vocab_size=10**9), "draft_vocab_size 1000000000 is not"),
+    "escape": (_set(hidden_size="\x1b[2J"), "hidden_size '\\x1b[2J' is not an integer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEAD_CONFIGS))
+def test_malformed_head_configs_are_one_line_errors(tmp_path, target, case):
+    """A head config.json field of the wrong type or range, named in the message."""
+    edit, match = HEAD_CONFIGS[case]
+    folder = _head(tmp_path, target, edit)
+    if case == "not_an_object":  # not a head by its config: read as one directly
+        from transformers import AutoConfig
+
+        from edgespec.export.eagle3 import read_head_config
+
+        with pytest.raises(ExportError, match=None) as error:
+            read_head_config(folder, AutoConfig.from_pretrained(target))
+        assert match in str(error.value)
+        return
+    with pytest.raises(ExportError, match=None) as error:
+        _read_head(folder, target)
+    assert match in str(error.value)
+    out = tmp_path / "out"
+    assert_one_line(["export", "--target", str(target), "--draft", str(folder), "--out",
+                     str(out)], match, out)
+
+
+def _header(folder: Path) -> tuple[dict, bytes]:
+    """model.safetensors' header and the bytes after it."""
+    data = (folder / "model.safetensors").read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    return json.loads(data[8: 8 + length]), data[8 + length:]
+
+
+def _rewrite(folder: Path, header: dict, body: bytes, length: int | None = None) -> None:
+    raw = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(
+        (length if length is not None else len(raw)).to_bytes(8, "little") + raw + body)
+
+
+def _claim_6_gb(folder: Path) -> None:
+    header, body = _header(folder)
+    begin = header["fc.weight"]["data_offsets"][0]
+    header["fc.weight"] = {"dtype": "F32", "shape": [40_000, 40_000],
+                           "data_offsets": [begin, begin + 6_400_000_000]}
+    _rewrite(folder, header, body)
+
+
+def _index_naming(shard: str):
+    def write(folder: Path) -> None:
+        header, _ = _header(folder)
+        (folder / "model.safetensors").rename(folder / "shard.safetensors")
+        weight_map = {name: "shard.safetensors" for name in header}
+        weight_map["fc.weight"] = shard
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": weight_map}))
+    return write
+
+
+def _outside_copy(folder: Path) -> None:
+    (folder.parent / "outside_head.safetensors").write_bytes(
+        (folder / "model.safetensors").read_bytes())
+
+
+def _linked_shard(folder: Path) -> None:
+    _outside_copy(folder)
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").symlink_to(folder.parent / "outside_head.safetensors")
+
+
+HEAD_WEIGHTS = {
+    # Before: a bytearray of 6.4 GB allocated, then the read came up short.
+    "claims_6_gb": (_claim_6_gb, "outside the file's"),
+    "header_length": (lambda f: _rewrite(f, *_header(f), length=1 << 40),
+                      "a header of 1,099,511,627,776 bytes"),
+    # Before: TypeError (string indices must be integers).
+    "entry_not_object": (lambda f: _rewrite(f, {**_header(f)[0], "fc.weight": "x"},
+                                            _header(f)[1]), "has no dtype, shape and data_offsets"),
+    # Before: KeyError ('dtype').
+    "shape_wrong": (lambda f: _rewrite(f, {**_header(f)[0], "norm.weight": {
+        "dtype": "F32", "shape": "64", "data_offsets": [0, 256]}}, _header(f)[1]),
+        "has shape '64'"),
+    # Before: exported with exit 0, the weights read from the file beside the folder.
+    "index_outside": (lambda f: (_outside_copy(f), _index_naming("../outside_head.safetensors")(f)),
+                      "'../outside_head.safetensors', which is not a file name"),
+    # Before: /etc/passwd opened and read as a header.
+    "index_system": (_index_naming("/etc/passwd"), "'/etc/passwd', which is not a file name"),
+    # Before: KeyError ('weight_map').
+    "index_malformed": (lambda f: (f / "model.safetensors.index.json").write_text("[1]"),
+                        "has no weight_map"),
+    "linked_out": (_linked_shard, "outside the folder"),
+    # Before: pickle.UnpicklingError's traceback.
+    "pickle": (lambda f: ((f / "model.safetensors").unlink(),
+                          (f / "pytorch_model.bin").write_bytes(
+                              b"\x80\x04cos\nsystem\n(S'echo hi'\ntR.")),
+               "is not a file of plain weights"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEAD_WEIGHTS))
+def test_malformed_head_weights_are_one_line_errors(tmp_path, target, case):
+    """Head weights whose header, index or location is hostile; nothing outside is read."""
+    spoil, match = HEAD_WEIGHTS[case]
+    folder = _head(tmp_path, target)
+    spoil(folder)
+    with pytest.raises(ExportError, match=None) as error:
+        _read_head(folder, target)
+    assert match in str(error.value)
+    out = tmp_path / "out"
+    assert_one_line(["export", "--target", str(target), "--draft", str(folder), "--out",
+                     str(out)], match, out)
+
+
+def test_a_hugging_face_cache_snapshot_reads_through_its_links(tmp_path, target):
+    """A snapshot folder of the Hugging Face cache holds links to ../../blobs/: still read."""
+    folder = _head(tmp_path, target)
+    snapshot = tmp_path / "models--x" / "snapshots" / "abc"
+    blobs = tmp_path / "models--x" / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for file in folder.iterdir():
+        file.rename(blobs / file.name)
+        (snapshot / file.name).symlink_to(Path("../../blobs") / file.name)
+    assert "fc.weight" in _read_head(snapshot, target)
+
+
+# -- folders being resumed: temporary files created exclusively ---------------------------------
+
+def test_a_planted_link_is_never_written_through(tmp_path):
+    """write_file refuses a link at its temporary name and leaves its target as it was (before:
+    torch.save(..., features.tmp) followed the link, and the rename put it in place)."""
+    from edgespec.export.destination import write_file
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("theirs")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "features.tmp").symlink_to(outside)
+    with pytest.raises(EdgespecError, match="is a link"):
+        write_file(work / "features.pt", lambda f: f.write(b"ours"))
+    assert outside.read_text() == "theirs" and not (work / "features.pt").exists()
+
+
+def test_a_link_at_the_final_name_is_replaced_not_followed(tmp_path):
+    from edgespec.export.destination import write_file
+
+    outside = tmp_path / "outside.json"
+    outside.write_text("theirs")
+    (tmp_path / "config.json").symlink_to(outside)
+    write_file(tmp_path / "config.json", lambda f: f.write(b"ours"))
+    assert outside.read_text() == "theirs"
+    assert not (tmp_path / "config.json").is_symlink()
+    assert (tmp_path / "config.json").read_text() == "ours"
+
+
+def test_a_leftover_is_replaced_and_a_failed_write_leaves_nothing(tmp_path):
+    """An interrupted run's plain .tmp is removed first; a write that fails removes its own
+    temporary file and keeps the old content."""
+    from edgespec.export.destination import write_file
+
+    (tmp_path / "state.tmp").write_bytes(b"half")
+    (tmp_path / "state.pt").write_bytes(b"old")
+
+    def fail(f):
+        f.write(b"par")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_file(tmp_path / "state.pt", fail)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pt"]
+    assert (tmp_path / "state.pt").read_bytes() == b"old"
+    write_file(tmp_path / "state.pt", lambda f: f.write(b"new"))
+    assert (tmp_path / "state.pt").read_bytes() == b"new"
+
+
+def test_feature_stage_refuses_a_planted_link(tmp_path):
+    """The distill stage of the issue: OUT/work/features.tmp a link to a file outside."""
+    import torch
+
+    from conftest import llama
+    from edgespec.models.recipe.eagle3_head import Example, feature_stage
+
+    target = llama(20, 32, 3, seed=0)
+    outside = tmp_path / "outside.pt"
+    outside.write_bytes(b"theirs")
+    work = tmp_path / "head" / "work"
+    work.mkdir(parents=True)
+    (work / "features.tmp").symlink_to(outside)
+    examples = [Example(torch.arange(6), 1, None, None)]
+    with pytest.raises(EdgespecError, match="is a link"):
+        feature_stage(target, examples, (0, 1, 2), work / "features.pt", lambda line: None)
+    assert outside.read_bytes() == b"theirs" and not (work / "features.pt").exists()
+
+
+def test_distill_refuses_a_work_folder_that_is_a_link(tmp_path):
+    """`edgespec distill --out HEAD` with HEAD/work a link elsewhere: one line, nothing read
+    or written (before: the stages wrote wherever it pointed)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "work").symlink_to(elsewhere)
+    target = tmp_path / "target.gguf"
+    target.write_bytes(b"")
+    assert_one_line(["distill", "--target", str(target), "--out", str(head)], "is a link")
+    assert list(elsewhere.iterdir()) == []

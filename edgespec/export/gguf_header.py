@@ -245,7 +245,7 @@ def _check_config(header: GGUFHeader, file: Path, role: str) -> None:
         value = fields.get(key)
         if value is not None and (isinstance(value, (bool, str, Array))
                                   or not math.isfinite(value) or value <= 0):
-            raise fail(f"{shown(key)} is {shown(str(value))}, not a positive number")
+            raise fail(f"{shown(key)} is {shown(value)}, not a positive number")
     tokens = fields.get("tokenizer.ggml.tokens")
     if tokens is not None and (not isinstance(tokens, Array) or tokens.kind != STRING
                                or not 1 <= tokens.count <= MAX_VOCAB):
