@@ -126,7 +126,7 @@ class _Cursor:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
 
     def string(self, what: str, printable: bool = False) -> str:
-        raw = self.take(self.unpack("<Q", f"{what}'s length"), what)
+        raw = self.take(self.unpack("<Q", what), what)
         try:
             text = str(raw, "utf-8")
         except UnicodeDecodeError:
@@ -159,8 +159,9 @@ class _Cursor:
         if item in _SCALARS:  # fixed size: the count check above covers them
             self.skip(n * _SMALLEST[item], what)
         else:
-            for i in range(n):
-                self.value(item, f"{what}[{i}]", depth + 1)
+            label = f"an item of {what}"  # one label: a vocabulary has 10^5 strings
+            for _ in range(n):
+                self.value(item, label, depth + 1)
         return Array(item, n)
 
     def header(self) -> GGUFHeader:
