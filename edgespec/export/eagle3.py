@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +48,8 @@ import torch
 from torch import nn
 
 from edgespec.errors import ExportError, one_line, shown
+from edgespec.export.tensors import (MAX_JSON, CheckpointTensors, folder_file, read_json,
+                                     safetensors_files)
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 D2T, T2D = "d2t", "t2d"
@@ -58,7 +62,8 @@ def is_eagle3_head(folder: Path) -> bool:
     if not config.is_file():
         return False
     try:
-        raw = json.loads(config.read_text())
+        with open(config, "rb") as f:  # bounded: a config.json larger than that is no head's
+            raw = json.loads(f.read(MAX_JSON + 1))
     except (OSError, ValueError, RecursionError):
         return False
     names = raw.get("architectures") if isinstance(raw, dict) else None
@@ -103,8 +108,6 @@ def read_head_config(folder: Path, target_config) -> HeadConfig:
     transformers config).
 
     Collects every problem and raises one ExportError listing them (optimum's way)."""
-    from edgespec.export.tensors import read_json
-
     folder = Path(folder)
     raw = read_json(folder, "config.json")
     if not isinstance(raw, dict):
@@ -207,8 +210,6 @@ class HeadTensors:
     the EAGLE repository publishes), checked against the config's shapes on opening."""
 
     def __init__(self, config: HeadConfig):
-        from edgespec.export.tensors import CheckpointTensors, safetensors_files
-
         self.path = config.path
         if safetensors_files(config.path):
             self._source = CheckpointTensors(config.path)
@@ -271,11 +272,6 @@ class HeadTensors:
 def _read_bin(folder: Path) -> dict[str, torch.Tensor]:
     """The head's pytorch_model.bin as plain tensors: torch's weights-only unpickler, which
     refuses a pickle that would run code (anything but tensors and containers)."""
-    import pickle
-    import zipfile
-
-    from edgespec.export.tensors import folder_file
-
     file = folder_file(folder, _BIN, "its weights")
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
