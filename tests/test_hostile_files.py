@@ -161,6 +161,16 @@ def test_hostile_gguf_headers_are_one_line_errors(tmp_path, case):
     assert_one_line(["export", "--target", str(bad), "--out", str(out)], match, out)
 
 
+def test_distill_refuses_a_hostile_gguf_target_before_writing(tmp_path):
+    """`edgespec distill --target FILE.gguf`: transformers' GGUF loader is not reached, and
+    --out is not made (before: OUT/work/ made, then transformers built the ten-million-layer
+    model: killed after 40 s here)."""
+    bad = gguf_file(tmp_path / "bad.gguf", **GGUF_CASES["block_count"][0])
+    out = tmp_path / "head"
+    assert_one_line(["distill", "--target", str(bad), "--out", str(out)],
+                    GGUF_CASES["block_count"][1], out)
+
+
 @pytest.mark.parametrize("data,match", [
     (b"GGUF" + struct.pack("<IQQ", 3, 0, 1 << 50), "1,125,899,906,842,624 metadata entries"),
     (b"GGUF" + struct.pack("<IQQ", 3, 1 << 50, 0), "1,125,899,906,842,624 tensors declared"),
