@@ -171,6 +171,17 @@ def test_distill_refuses_a_hostile_gguf_target_before_writing(tmp_path):
                     GGUF_CASES["block_count"][1], out)
 
 
+def test_models_build_refuses_a_hostile_gguf(tmp_path, monkeypatch):
+    """`edgespec models build smollm2 --from FILE.gguf` (before: hung assembling the draft, in
+    the meta model of ten million layers: killed after 40 s here)."""
+    monkeypatch.setenv("EDGESPEC_MODELS_DIR", str(tmp_path / "models"))
+    bad = gguf_file(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf",
+                    **GGUF_CASES["block_count"][0])
+    assert_one_line(["models", "build", "smollm2", "--from", str(bad)],
+                    GGUF_CASES["block_count"][1])
+    assert list((tmp_path / "models").iterdir()) == []
+
+
 @pytest.mark.parametrize("data,match", [
     (b"GGUF" + struct.pack("<IQQ", 3, 0, 1 << 50), "1,125,899,906,842,624 metadata entries"),
     (b"GGUF" + struct.pack("<IQQ", 3, 1 << 50, 0), "1,125,899,906,842,624 tensors declared"),
