@@ -34,3 +34,11 @@ def one_line(error: BaseException | str, limit: int | None = 200) -> str:
     if limit is None or len(text) <= limit:
         return text
     return text[: limit - 3] + "..."
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """A value from a file (a name, a key, a setting) as a message may show it: its repr, so a
+    string is quoted and no control character (a terminal's escape sequence) reaches the terminal
+    raw, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

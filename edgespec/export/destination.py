@@ -8,18 +8,23 @@ Rules, in order:
   ``--out`` and renamed into place at the end; missing parent folders are created only then.
   Any way out of the block (an error, Ctrl-C, SIGTERM turned into an exception by the CLI)
   removes the temporary folder and leaves ``--out`` as it was.
+- A file rewritten in a folder that may come from elsewhere (a stage's data when a run resumes,
+  a head's files) is written by ``write_file``: into a temporary file created exclusively, never
+  through a link, then renamed over the file.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
-from edgespec.errors import ExportError
+from edgespec.errors import EdgespecError, ExportError
 from edgespec.manifest import MANIFEST_NAME, PACKAGE_ENTRIES
 
 
@@ -110,3 +115,41 @@ def _replace(tmp: Path, out: Path) -> None:
         old.rename(out)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def write_file(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """``path``'s new content, written by ``write`` into ``path`` with suffix .tmp and renamed
+    over ``path``: a reader (a run that resumes) finds the old file or the new, never half of one.
+
+    The temporary file is created exclusively and not through a link (O_EXCL | O_NOFOLLOW): a
+    link or anything but a plain file at its name (planted in a folder from elsewhere) is refused,
+    never written through; a plain file there (an interrupted run's) is removed first. The rename
+    replaces a link at ``path`` itself, not what it points to. On any failure the temporary file
+    is removed and ``path`` is left as it was.
+    """
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    try:
+        info = os.lstat(tmp)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISREG(info.st_mode):
+            raise EdgespecError(f"{tmp} is a link or not a plain file; edgespec writes only its "
+                                "own files there: remove it, or choose another folder")
+        tmp.unlink()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(tmp, flags | getattr(os, "O_BINARY", 0), 0o666)
+    except OSError as e:
+        raise EdgespecError(f"cannot create {tmp} ({e.strerror or e}); is something else "
+                            "writing in the folder?") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise EdgespecError(f"cannot write {path} ({e.strerror or e})") from None
+        raise

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +47,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from edgespec.errors import ExportError
+from edgespec.errors import ExportError, one_line, shown
+from edgespec.export.tensors import (MAX_JSON, CheckpointTensors, folder_file, read_json,
+                                     safetensors_files)
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 D2T, T2D = "d2t", "t2d"
@@ -58,10 +62,13 @@ def is_eagle3_head(folder: Path) -> bool:
     if not config.is_file():
         return False
     try:
-        raw = json.loads(config.read_text())
-    except (OSError, ValueError):
+        with open(config, "rb") as f:  # bounded: a config.json larger than that is no head's
+            raw = json.loads(f.read(MAX_JSON + 1))
+    except (OSError, ValueError, RecursionError):
         return False
-    return any(a in ARCHITECTURES for a in raw.get("architectures") or ())
+    names = raw.get("architectures") if isinstance(raw, dict) else None
+    return isinstance(names, list) and any(a in ARCHITECTURES for a in names
+                                           if isinstance(a, str))
 
 
 @dataclass(frozen=True)
@@ -97,53 +104,105 @@ def default_aux_layers(target_layers: int) -> tuple[int, int, int]:
 
 
 def read_head_config(folder: Path, target_config) -> HeadConfig:
-    """The head's config, checked against the target's (a transformers config).
+    """The head's config, every field checked (type and range), then against the target's (a
+    transformers config).
 
     Collects every problem and raises one ExportError listing them (optimum's way)."""
     folder = Path(folder)
-    try:
-        raw = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ExportError(f"cannot read {folder / 'config.json'} ({e}); is it an EAGLE-3 "
-                          "head folder?") from None
-    problems = []
-    hidden = raw.get("hidden_size")
-    heads = raw.get("num_attention_heads")
-    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
-        raise ExportError(f"{folder}: config.json needs hidden_size and num_attention_heads")
-    if hidden != target_config.hidden_size:
+    raw = read_json(folder, "config.json")
+    if not isinstance(raw, dict):
+        raise ExportError(f"{folder / 'config.json'} is not a JSON object; is it an EAGLE-3 "
+                          "head folder?")
+    fields = _HeadFields(raw)
+    hidden = fields.integer("hidden_size", None, 1 << 17)
+    heads = fields.integer("num_attention_heads", None, 1024)
+    kv_heads = fields.integer("num_key_value_heads", heads or 1, heads or 1024)
+    head_dim = fields.integer("head_dim", max(1, hidden // heads) if hidden and heads else 1,
+                              1024)
+    intermediate = fields.integer("intermediate_size", None, 1 << 20)
+    vocab = fields.integer("vocab_size", target_config.vocab_size, 1 << 22)
+    draft_vocab = fields.integer("draft_vocab_size", vocab or target_config.vocab_size,
+                                 vocab or 1 << 22)
+    eps = fields.number("rms_norm_eps", 1e-6)
+    rope = {"rope_theta": fields.number("rope_theta", None)}
+    if not isinstance(raw.get("rope_scaling"), (dict, type(None))):
+        fields.problems.append(f"rope_scaling {shown(raw['rope_scaling'])} is not an object")
+    rope["rope_scaling"] = raw.get("rope_scaling")
+    norm_before_residual = raw.get("norm_before_residual", False)
+    if not isinstance(norm_before_residual, bool):
+        fields.problems.append(f"norm_before_residual {shown(norm_before_residual)} is not "
+                               "true or false")
+    if heads and kv_heads and heads % kv_heads:
+        fields.problems.append(f"num_key_value_heads {kv_heads} does not divide "
+                               f"num_attention_heads {heads}")
+    problems = fields.problems
+    if hidden is not None and hidden != target_config.hidden_size:
         problems.append(f"hidden_size {hidden} is not the target's {target_config.hidden_size} "
                         "(the head reads the target's embedding and hidden states)")
-    vocab = raw.get("vocab_size", target_config.vocab_size)
-    if vocab != target_config.vocab_size:
+    if vocab is not None and vocab != target_config.vocab_size:
         problems.append(f"vocab_size {vocab} is not the target's {target_config.vocab_size}")
-    draft_vocab = raw.get("draft_vocab_size") or vocab
     layers = target_config.num_hidden_layers
-    eagle = raw.get("eagle_config") or {}
-    aux = (eagle.get("eagle_aux_hidden_state_layer_ids")
-           or raw.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(layers))
-    if len(aux) != 3 or not all(isinstance(i, int) and 0 <= i < layers for i in aux):
-        problems.append(f"aux hidden-state layers {list(aux)} must be three layer ids in "
-                        f"0..{layers - 1} of the target (a target of {layers} layers needs "
-                        "eagle_config.eagle_aux_hidden_state_layer_ids when under 6)")
-    if not isinstance(raw.get("intermediate_size"), int):
-        problems.append("config.json has no intermediate_size")
+    aux = _aux_layers(raw, layers, problems)
     if raw.get("num_hidden_layers", 1) != 1:
-        problems.append(f"num_hidden_layers is {raw['num_hidden_layers']}; edgespec runs "
-                        "one-layer EAGLE-3 heads")
+        problems.append(f"num_hidden_layers is {shown(raw['num_hidden_layers'])}; edgespec "
+                        "runs one-layer EAGLE-3 heads")
     if problems:
         raise ExportError(f"{folder} is not an EAGLE-3 head for this target: "
                           + "; ".join(problems))
     # the head runs at the target's positions: its rotary table covers the target's window
-    rope = {k: raw[k] for k in ("rope_theta", "rope_scaling") if raw.get(k) is not None}
+    rope = {k: v for k, v in rope.items() if v is not None}
     rope["max_position_embeddings"] = target_config.max_position_embeddings
     return HeadConfig(
-        path=folder, hidden=hidden, heads=heads,
-        kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or hidden // heads,
-        intermediate=raw["intermediate_size"], eps=float(raw.get("rms_norm_eps", 1e-6)),
-        vocab=vocab, draft_vocab=draft_vocab, aux_layers=tuple(aux), rope=rope,
-        norm_before_residual=bool(raw.get("norm_before_residual", False)))
+        path=folder, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        intermediate=intermediate, eps=eps, vocab=vocab, draft_vocab=draft_vocab,
+        aux_layers=aux, rope=rope, norm_before_residual=norm_before_residual)
+
+
+class _HeadFields:
+    """A head config's values read with their type and range checked; each problem is noted in
+    ``problems`` (named by its key) and its value read as None."""
+
+    def __init__(self, raw: dict):
+        self.raw, self.problems = raw, []
+
+    def integer(self, key: str, default: int | None, high: int) -> int | None:
+        value = self.raw.get(key)
+        if value is None:
+            if default is None:
+                self.problems.append(f"config.json has no {key}")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+            self.problems.append(f"{key} {shown(value)} is not an integer in 1..{high:,}")
+            return None
+        return value
+
+    def number(self, key: str, default: float | None) -> float | None:
+        value = self.raw.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value <= 0:
+            self.problems.append(f"{key} {shown(value)} is not a positive number")
+            return default
+        return float(value)
+
+
+def _aux_layers(raw: dict, layers: int, problems: list[str]) -> tuple[int, ...]:
+    """eagle_config.eagle_aux_hidden_state_layer_ids (or the key at the top level, or the
+    default): three layer ids of the target."""
+    eagle = raw.get("eagle_config") or {}
+    if not isinstance(eagle, dict):
+        problems.append(f"eagle_config {shown(eagle)} is not an object")
+        eagle = {}
+    aux = (eagle.get("eagle_aux_hidden_state_layer_ids")
+           or raw.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(layers))
+    if not isinstance(aux, (list, tuple)) or len(aux) != 3 or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in aux):
+        problems.append(f"aux hidden-state layers {shown(aux)} must be three layer ids in "
+                        f"0..{layers - 1} of the target (a target of {layers} layers needs "
+                        "eagle_config.eagle_aux_hidden_state_layer_ids when under 6)")
+        return ()
+    return tuple(aux)
 
 
 class HeadTensors:
@@ -151,14 +210,11 @@ class HeadTensors:
     the EAGLE repository publishes), checked against the config's shapes on opening."""
 
     def __init__(self, config: HeadConfig):
-        from edgespec.export.tensors import CheckpointTensors, safetensors_files
-
         self.path = config.path
         if safetensors_files(config.path):
             self._source = CheckpointTensors(config.path)
         elif (config.path / _BIN).is_file():
-            state = torch.load(config.path / _BIN, map_location="cpu", weights_only=True)
-            self._source = _StateTensors(state)
+            self._source = _StateTensors(_read_bin(config.path))
         else:
             raise ExportError(f"{config.path} has no model.safetensors or {_BIN}; "
                               "download the head's weights")
@@ -211,6 +267,25 @@ class HeadTensors:
         if problems:
             raise ExportError(f"{config.path}: malformed EAGLE-3 head: " + "; ".join(problems)
                               + "; re-download or re-convert the head")
+
+
+def _read_bin(folder: Path) -> dict[str, torch.Tensor]:
+    """The head's pytorch_model.bin as plain tensors: torch's weights-only unpickler, which
+    refuses a pickle that would run code (anything but tensors and containers)."""
+    file = folder_file(folder, _BIN, "its weights")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, ValueError,
+            OSError) as e:
+        reason = shown(one_line(e, None), 160)
+        raise ExportError(f"{file} is not a file of plain weights ({reason}); edgespec loads "
+                          "no pickled code: convert the head to safetensors from a source you "
+                          "trust") from None
+    if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise ExportError(f"{file} is not a state dict of tensors by name; download the head "
+                          "again")
+    return state
 
 
 class _StateTensors:

@@ -31,9 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgespec.errors import ExportError
+from edgespec.errors import ExportError, one_line
 from edgespec.export.pair import Checkpoint
 from edgespec.export.gguf_blocks import REPACKED, Packed, concat, repack
+from edgespec.export.gguf_header import check_gguf
 from edgespec.export.tensors import TensorIndex
 
 # the general.architecture values read (llama.cpp writes Mistral models as "llama")
@@ -110,7 +111,7 @@ def read_gguf_checkpoint(file: Path, role: str) -> GGUFCheckpoint:
             tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     except (ValueError, OSError, KeyError, TypeError, IndexError) as e:
         raise ExportError(f"--{role} {file}: transformers cannot read its config or tokenizer "
-                          f"({e})") from None
+                          f"({one_line(e)})") from None
     config.head_dim = _head_dim(reader, architecture, config, file, role)
     if len(tokenizer) > config.vocab_size:
         raise ExportError(f"--{role} {file}: its tokenizer has {len(tokenizer)} tokens but the "
@@ -171,6 +172,8 @@ def _one_parse():
 
 
 def _reader(file: Path, role: str):
+    """gguf-py's reader of ``file``, once its header is checked (gguf_header.py says why)."""
+    check_gguf(file, role)
     try:
         return open_reader(file)
     except (ValueError, OSError, KeyError, IndexError, TypeError) as e:

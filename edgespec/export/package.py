@@ -212,7 +212,9 @@ def _eagle3_head(draft: str | Path | None, target: Checkpoint, graph: str, dtype
                           "from safetensors or a GGUF file, without --draft-vocab (the head "
                           "has its own vocabulary); drop --dtype fp16 / --draft-vocab, or "
                           "convert the target to safetensors")
-    return read_head_config(Path(draft), target.config)
+    config = read_head_config(Path(draft), target.config)
+    HeadTensors(config)  # its files, headers and shapes checked before the target's export
+    return config
 
 
 def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: str,

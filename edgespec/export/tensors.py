@@ -9,22 +9,31 @@ byte range after the header), then the bytes.
 
 ``ModelTensors`` gives the same interface over a model already loaded (a checkpoint without
 safetensors files, and the tests' oracle: the graph the builder made from a loaded model).
+
+Folders come from strangers (an EAGLE-3 head, a model folder), so a file is read only if it is
+the folder's own (``folder_file``: no index naming a file elsewhere, no link leading out of the
+folder), JSON only up to ``MAX_JSON`` bytes, and a safetensors header's every entry is checked
+against the file's size before a tensor's bytes are allocated.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from edgespec.errors import ExportError
+from edgespec.errors import ExportError, shown
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,
            "U8": torch.uint8, "BOOL": torch.bool}
+MAX_JSON = 16 << 20  # config.json, an index: a real one is well under a megabyte
+MAX_HEADER = 100 << 20  # a safetensors header (the safetensors library's own limit)
+INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -120,28 +129,99 @@ class ModelTensors:
 
 def safetensors_files(path: Path) -> list[Path]:
     """The checkpoint's safetensors files (one, or the shards its index names); [] if none."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return sorted({path / shard for shard in json.loads(index.read_text())["weight_map"].values()})
+    path = Path(path)
+    if (path / INDEX).is_file():
+        index = read_json(path, INDEX)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise ExportError(f"{path / INDEX} has no weight_map of tensor names to file names; "
+                              "download the checkpoint again")
+        return [folder_file(path, shard, f"{INDEX} names")
+                for shard in sorted(set(weight_map.values()))]
     single = path / "model.safetensors"
-    return [single] if single.is_file() else []
+    return [folder_file(path, single.name, "its weights")] if single.is_file() else []
+
+
+def folder_file(folder: Path, name: str, what: str) -> Path:
+    """``folder / name`` if it is a plain file of the folder: ``name`` a bare file name, and
+    the file, links followed, inside ``folder``, or in the blobs/ folder of a Hugging Face
+    cache whose snapshot ``folder`` is (its files are links to ../../blobs/). ``what`` says
+    who named it, for the message. Else an ExportError."""
+    folder = Path(folder)
+    file = folder / name
+    if not name or Path(name).name != name or name in (".", ".."):
+        raise ExportError(f"{folder}: {what} {shown(name)}, which is not a file name in the "
+                          "folder; edgespec reads only the folder's own files")
+    real, home = file.resolve(), folder.resolve()
+    cache_blobs = home.parent.parent / "blobs" if home.parent.name == "snapshots" else None
+    if home not in real.parents and real.parent != cache_blobs:
+        raise ExportError(f"{folder}: {what} {shown(name)}, a link to {shown(str(real))} "
+                          "outside the folder; edgespec reads only the folder's own files")
+    if not real.is_file():
+        raise ExportError(f"{folder}: {what} {shown(name)}, which is not a plain file")
+    return file
+
+
+def read_json(folder: Path, name: str):
+    """The JSON of the folder's file ``name`` (``folder_file``), at most MAX_JSON bytes."""
+    file = folder_file(folder, name, "its")
+    try:
+        with open(file, "rb") as f:
+            raw = f.read(MAX_JSON + 1)
+        if len(raw) > MAX_JSON:
+            raise ExportError(f"{file} is over {MAX_JSON >> 20} MB; is it really a {name}?")
+        return json.loads(raw)
+    except (OSError, ValueError, RecursionError) as e:
+        raise ExportError(f"cannot read {file} ({shown(str(e), 120)}); download it "
+                          "again") from None
 
 
 def _read_header(file: Path) -> dict[str, _Entry]:
+    """The entries of a safetensors file's header, each checked against the file's size."""
+    size = file.stat().st_size
     with open(file, "rb") as f:
         length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in _DTYPES:
-            raise ExportError(f"{file}: tensor {name} has dtype {info['dtype']}, which edgespec "
-                              "does not read")
-        begin, end = info["data_offsets"]
-        entries[name] = _Entry(file, _DTYPES[info["dtype"]], tuple(info["shape"]),
-                               8 + length + begin, end - begin)
-    return entries
+        if size < 8 or length > min(size - 8, MAX_HEADER):
+            raise ExportError(f"{file} is truncated or not a safetensors file (a header of "
+                              f"{length:,} bytes in a file of {size:,}); download it again")
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, RecursionError):
+            header = None
+    if not isinstance(header, dict):
+        raise ExportError(f"{file}: its safetensors header is not a JSON object of tensors; "
+                          "download it again")
+    header.pop("__metadata__", None)
+    start = 8 + length
+    return {name: _checked_entry(file, name, info, start, size - start)
+            for name, info in header.items()}
+
+
+def _checked_entry(file: Path, name: str, info, start: int, data: int) -> _Entry:
+    """One header entry: a dtype edgespec reads, a shape of sizes, and byte offsets within the
+    ``data`` bytes that hold exactly the shape's elements."""
+    def fail(problem: str) -> ExportError:
+        return ExportError(f"{file}: tensor {shown(name)} {problem}; download or convert the "
+                           "checkpoint again")
+
+    if not isinstance(info, dict):
+        raise fail("has no dtype, shape and data_offsets")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise fail(f"has dtype {shown(dtype)}, which edgespec does not read")
+    if not isinstance(shape, list) or len(shape) > 8 or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise fail(f"has shape {shown(shape)}, not a list of sizes")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(
+            isinstance(o, int) and not isinstance(o, bool) for o in offsets):
+        raise fail(f"has data_offsets {shown(offsets)}, not [begin, end]")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data:
+        raise fail(f"has bytes {begin:,}..{end:,}, outside the file's {data:,} bytes of data")
+    if end - begin != math.prod(shape) * _DTYPES[dtype].itemsize:
+        raise fail(f"of shape {shape} and dtype {dtype} has {end - begin:,} bytes")
+    return _Entry(file, _DTYPES[dtype], tuple(shape), start + begin, end - begin)
 
 
 def _tensor(buffer: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from edgespec.errors import EdgespecError
+from edgespec.export.destination import write_file
+from edgespec.export.gguf_header import check_gguf
 from edgespec.models.recipe import chat_prompts
 from edgespec.models.recipe.eagle3_head import (Example, TrainableHead, TrainSettings,
                                                 feature_stage, head_config, train_head,
@@ -53,8 +55,7 @@ def code_examples(target, tokenizer, work: Path, tokens: int, new_tokens: int, t
                                        new_tokens=new_tokens, top_k=top_k, seed=seed,
                                        progress=report)
         windows, top_ids, top_logp = targets.windows, targets.top_ids, targets.top_logp
-        torch.save((windows, top_ids, top_logp), work / "teacher.tmp")
-        (work / "teacher.tmp").replace(cached)
+        write_file(cached, lambda f: torch.save((windows, top_ids, top_logp), f))
     # row p of a window's targets predicts windows[p + 1]: start 1
     return [Example(w, 1, i, p) for w, i, p in zip(windows, top_ids, top_logp)]
 
@@ -83,6 +84,11 @@ def distill(target_path: Path, out: Path, data: str, minutes: float, draft_vocab
                             f"templates make; at most {' '.join(map(str, most))}")
     if out.exists() and not work.is_dir():
         raise EdgespecError(f"{out} exists and is not a head being distilled; choose another --out")
+    if work.is_symlink():  # its files would be written wherever it points
+        raise EdgespecError(f"{work} is a link; a head being distilled keeps its work in a "
+                            "folder of its own: remove the link, or choose another --out")
+    if Path(target_path).suffix == ".gguf":  # before OUT is made (load_target checks it too)
+        check_gguf(Path(target_path), "target")
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     if data == "chat":

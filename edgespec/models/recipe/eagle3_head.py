@@ -37,8 +37,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 
+from edgespec.export.destination import write_file
 from edgespec.export.eagle3 import (ARCHITECTURES, D2T, T2D, Eagle3Head, HeadConfig, _rotate,
                                     default_aux_layers)
 from edgespec.models.recipe.distill import sparse_kl, warmup_cosine
@@ -164,11 +165,13 @@ def write_head(folder: Path, head: TrainableHead, token_ids: np.ndarray,
         "torch_dtype": "float32",
     }
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(head.published_state(token_ids), str(folder / "model.tmp"))
-    (folder / "model.tmp").replace(folder / "model.safetensors")
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if report is not None:
-        (folder / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    weights = safetensors_bytes(head.published_state(token_ids))
+    write_file(folder / "model.safetensors", lambda f: f.write(weights))
+    files = {"config.json": config, "training_report.json": report}
+    for name, content in files.items():
+        if content is not None:
+            text = (json.dumps(content, indent=2) + "\n").encode()
+            write_file(folder / name, lambda f: f.write(text))
 
 
 def aux_streams(target, ids: torch.Tensor, aux_layers: tuple[int, int, int]) -> torch.Tensor:
@@ -201,8 +204,7 @@ def feature_stage(target, examples: list[Example], aux_layers: tuple[int, int, i
             last = now
             held = [e.features for e in examples]
             held = held[: next((i for i, f in enumerate(held) if f is None), len(held))]
-            torch.save(held, cache.with_suffix(".tmp"))
-            cache.with_suffix(".tmp").replace(cache)
+            write_file(cache, lambda f: torch.save(held, f))
             report(f"features: {first + len(chunk)}/{len(order)} texts, "
                    f"{(now - start) / 60:.1f} min")
 
@@ -300,10 +302,9 @@ def train_head(head: TrainableHead, token_ids: np.ndarray, examples: list[Exampl
         report(f"train: before: held-out sum min(p,q) by step {_fmt(before)}")
 
     def save() -> None:
-        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                    "seconds": spent, "step": step, "before": before},
-                   state_path.with_suffix(".tmp"))
-        state_path.with_suffix(".tmp").replace(state_path)
+        state = {"head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                 "seconds": spent, "step": step, "before": before}
+        write_file(state_path, lambda f: torch.save(state, f))
 
     budget = settings.minutes * 60
     rng = random.Random(settings.seed + step)

@@ -33,9 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from edgespec.export.destination import write_file
+from edgespec.export.gguf_header import check_gguf
 from edgespec.models.recipe import chat_prompts
 from edgespec.models.recipe.distill import GENERATION_TEMPERATURES, sparse_kl, warmup_cosine
 
@@ -52,6 +54,8 @@ def load_target(path: Path) -> tuple[LlamaForCausalLM, object]:
     folder."""
     path = Path(path)
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    if kwargs:  # transformers' GGUF loader trusts the file's counts (gguf_header.py)
+        check_gguf(path, "target")
     folder = path.parent if kwargs else path
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, **kwargs)
@@ -168,13 +172,17 @@ def teacher_stage(target_path: Path, out: Path, seed: int, sizes: tuple[int, int
     out.mkdir(parents=True, exist_ok=True)
 
     def save(batches: list[list[dict]]) -> None:
-        torch.save(batches, out / "teacher.tmp")
-        (out / "teacher.tmp").replace(cached)  # never a half-written file
+        write_file(cached, lambda f: torch.save(batches, f))  # never a half-written file
 
     records = teacher_data(target, tokenizer, seed, sizes, new_tokens, top_k, batch, eos,
                            done, save)
     log(f"teacher: {sum(len(r['top_ids']) for r in records):,} reply positions in {cached}")
     return records
+
+
+def _save_layers(draft, path: Path) -> None:
+    weights = safetensors_bytes(trained_state(draft))
+    write_file(path, lambda f: f.write(weights))
 
 
 def draft_config(target_config, layers: int, eos: list[int]):
@@ -298,7 +306,7 @@ def train(draft, token_ids: np.ndarray, records: list[dict], held: list[dict], m
                 last = time.perf_counter()
                 log(f"train: epoch {epoch} step {step}, loss {float(loss):.3f}, "
                     f"{(last - start) / 60:.1f}/{minutes} min")
-                save_file(trained_state(draft), checkpoint)
+                _save_layers(draft, checkpoint)
         epoch += 1
     draft.eval()
     kl, alpha = evaluate(draft, rows, remap, held)
@@ -336,14 +344,14 @@ def main(argv: list[str] | None = None) -> None:
     target, tokenizer = load_target(args.target)
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     token_ids = frequent_ids(records, target.config.vocab_size, args.draft_vocab, eos)
-    np.save(args.out / TOKEN_IDS_NAME, token_ids)
+    write_file(args.out / TOKEN_IDS_NAME, lambda f: np.save(f, token_ids))
     held = records[::10]  # every tenth reply held out
     train_records = [r for i, r in enumerate(records) if i % 10]
     draft = early_exit(target, args.layers, eos)
     del target
     draft = train(draft, token_ids, train_records, held, args.minutes, args.lr, 4, args.seed,
                   args.out / LAYERS_NAME)
-    save_file(trained_state(draft), args.out / LAYERS_NAME)
+    _save_layers(draft, args.out / LAYERS_NAME)
     draft.generation_config.eos_token_id = eos[0]
     draft.to(torch.float16).save_pretrained(args.out / "hf", safe_serialization=True)
     # the GGUF's own ids (transformers' GGUF tokenizer names BOS as EOS too; export/gguf.py)
