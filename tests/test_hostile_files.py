@@ -174,9 +174,20 @@ def test_distill_refuses_a_hostile_gguf_target_before_writing(tmp_path):
 def test_models_build_refuses_a_hostile_gguf(tmp_path, monkeypatch):
     """`edgespec models build smollm2 --from FILE.gguf` (before: hung assembling the draft, in
     the meta model of ten million layers: killed after 40 s here)."""
+    import hashlib
+    from dataclasses import replace
+
+    from edgespec.models import named
+
     monkeypatch.setenv("EDGESPEC_MODELS_DIR", str(tmp_path / "models"))
     bad = gguf_file(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf",
                     **GGUF_CASES["block_count"][0])
+    assert_one_line(["models", "build", "smollm2", "--from", str(bad)],
+                    "is not the file this model pins")  # the pin refuses it first
+    model = named.MODELS["smollm2"]  # pinned to the hostile file: its header is what refuses
+    pin = replace(model.target, size=bad.stat().st_size,
+                  sha256=hashlib.sha256(bad.read_bytes()).hexdigest())
+    monkeypatch.setitem(named.MODELS, "smollm2", replace(model, target=pin))
     assert_one_line(["models", "build", "smollm2", "--from", str(bad)],
                     GGUF_CASES["block_count"][1])
     assert list((tmp_path / "models").iterdir()) == []
