@@ -22,7 +22,6 @@ dequantized to float32 (and quantized again only as ``--quantize`` asks).
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -144,16 +143,27 @@ def open_reader(file: Path):
     151,936-token vocabulary's strings and merges as its own array: 10-15 s a time on 2 cores),
     and an export reads one file's metadata four times (the checks here, transformers' config
     and tokenizer, the tensor table)."""
-    file = Path(file).resolve()
-    stat = file.stat()
-    return _parsed(str(file), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=2)
-def _parsed(path: str, size: int, mtime_ns: int):
     from gguf import GGUFReader
 
-    return GGUFReader(path)
+    key = _key(file)
+    if key not in _READERS:
+        _READERS[key] = GGUFReader(key[0])
+    return _READERS[key]
+
+
+def forget_reader(file: Path) -> None:
+    """Drop ``file``'s parsed reader (hundreds of MB for a large vocabulary) once the export
+    has read what it needs of the file."""
+    _READERS.pop(_key(file), None)
+
+
+_READERS: dict[tuple, object] = {}
+
+
+def _key(file: Path) -> tuple:
+    file = Path(file).resolve()
+    stat = file.stat()
+    return str(file), stat.st_size, stat.st_mtime_ns
 
 
 @contextmanager

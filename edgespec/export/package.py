@@ -37,7 +37,7 @@ from edgespec.export.precision import (
     quantize_weights,
     store_exact_halves,
 )
-from edgespec.export.gguf import GGUFCheckpoint, GGUFTensors, find_gguf
+from edgespec.export.gguf import GGUFCheckpoint, GGUFTensors, find_gguf, forget_reader
 from edgespec.export.gguf_blocks import REPACKED
 from edgespec.export.pair import Checkpoint, check_pair, read_checkpoint
 from edgespec.export.runs import TARGET_COMPUTES, choose_runs, set_compute
@@ -376,6 +376,8 @@ def _write_fused(ckpt: Checkpoint, folder: Path, role: str, variant: str,
         report.detail("computing PyTorch's reference logits")
         expected = reference_logits(loaded, ids)
     del model, tensors, loaded
+    if isinstance(ckpt, GGUFCheckpoint):
+        forget_reader(ckpt.path)  # read whole: its metadata is not needed again
     gc.collect()
     if variant == "fp16":
         report.detail("converting to fp16")
