@@ -387,16 +387,23 @@ def _llama_run(cmd: list[str], name: str) -> dict:
 def cmd_speculative(args) -> dict:
     bin_dir = Path(args.llama)
     pipe = load_pipeline(args.pkg, args.threads)
-    has_draft = pipe.manifest.draft is not None
     ks = [int(k) for k in args.ks.split(",")]
     configs = {"edgespec_none": dict(drafter="none"),
                "edgespec_ngram_adaptive": dict(drafter="ngram", schedule="adaptive",
                                                draft_length=max(ks))}
-    if has_draft:
-        configs.update({f"edgespec_model_k{k}": dict(drafter="model", schedule="fixed",
-                                                     draft_length=k) for k in ks})
-        configs["edgespec_model_adaptive"] = dict(drafter="model", schedule="adaptive",
-                                                  draft_length=max(ks))
+    pipes = {name: pipe for name in configs}
+    # the package's draft, and those of --also packages (the same target, another draft
+    # export): each drafter at every fixed k and adaptive, in the same turns
+    for label, path in [("edgespec", None), *(a.partition("=")[::2] for a in args.also)]:
+        other = pipe if path is None else load_pipeline(path, args.threads)
+        if other.manifest.draft is None:
+            continue
+        settings = {f"{label}_model_k{k}": dict(drafter="model", schedule="fixed",
+                                                draft_length=k) for k in ks}
+        settings[f"{label}_model_adaptive"] = dict(drafter="model", schedule="adaptive",
+                                                   draft_length=max(ks))
+        configs.update(settings)
+        pipes.update({name: other for name in settings})
     prompts = [json.loads(l) for l in Path(args.prompts).read_text().splitlines() if l.strip()]
     if args.kinds:
         prompts = [p for p in prompts if p.get("kind") in args.kinds.split(",")]
@@ -423,7 +430,7 @@ def cmd_speculative(args) -> dict:
                         bin_dir, args.gguf, args.draft_gguf, text, args.n, args.threads,
                         args.draft, temperature, seed))
                 for name, settings in configs.items():
-                    r = pipe.generate(ids, max_new_tokens=args.n, temperature=temperature,
+                    r = pipes[name].generate(ids, max_new_tokens=args.n, temperature=temperature,
                                       top_k=0, top_p=1.0, seed=seed, token_healing=False,
                                       **settings)
                     s = r.stats
@@ -468,7 +475,7 @@ def summarize_speculative(rows: list[dict]) -> dict:
         every = summary[f"T={temperature} all"]
         llama = max((k for k in every if k.startswith("llamacpp")),
                     key=lambda k: every[k]["tokens_per_s"])
-        ours = max((k for k in every if k.startswith("edgespec")),
+        ours = max((k for k in every if not k.startswith("llamacpp")),
                    key=lambda k: every[k]["tokens_per_s"])
         summary[f"T={temperature} headline"] = {
             "llamacpp_best": llama, "llamacpp_tokens_per_s": every[llama]["tokens_per_s"],
@@ -519,6 +526,9 @@ def main() -> None:
             p.add_argument("--seed", type=int, default=1)
             p.add_argument("--kinds", help="only these prompt kinds (comma list: code, "
                                            "question, summarize)")
+            p.add_argument("--also", action="append", default=[], metavar="LABEL=PKG",
+                           help="another package of the same target whose draft is timed in "
+                                "the same turns (LABEL_model_k...; repeatable)")
     args = parser.parse_args()
     record = {"machine": machine_line(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "gguf": args.gguf, "package": args.pkg, "subcommand": args.command}
