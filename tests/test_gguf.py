@@ -465,6 +465,22 @@ def test_a_repack_out_of_order_fails_the_fp32_gate(files, tmp_path, monkeypatch,
     assert not (tmp_path / "off").exists()
 
 
+def test_block_sums_by_reduce_sum_keep_the_fp32_gate(files, tmp_path, monkeypatch):
+    """Blocks with minimums (Q4_K) whose input is too wide for a matrix of ones (a real MLP's
+    down projection) sum x's blocks with ReduceSum: the same numbers to float rounding."""
+    import onnx
+
+    import edgespec.export.fused as fused
+
+    monkeypatch.setattr(fused, "ONES_BYTES", 0)
+    manifest = export_pair(files["llama_k"], None, tmp_path / "p")
+    assert manifest.target.validation["failures"] == []
+    graph = onnx.load(str(tmp_path / "p" / "target" / "model.onnx"),
+                      load_external_data=False).graph
+    assert any(n.op_type == "ReduceSum" and n.input[0] != "attention_mask" for n in graph.node)
+    assert not any(i.name.startswith("block_sums") for i in graph.initializer)
+
+
 def test_quantize_applies_to_the_weights_that_were_not_repacked(files, tmp_path):
     manifest = export_pair(files["llama"], None, tmp_path / "q", quantize="int8",
                            target_compute="float")  # its layer 1 down_proj is F16

@@ -51,6 +51,7 @@ from edgespec.export.precision import INT8_COMPUTE, QUANT_BLOCK_SIZE, quantize_b
 from edgespec.runtime.session import FEATURES as EAGLE_FEATURES  # an EAGLE-3 head's input
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"  # the checkpoint's names
+ONES_BYTES = 1 << 20  # block sums by a MatMul with ones up to this size of ones, else ReduceSum
 _MS = "com.microsoft"
 _OPSET = 17
 
@@ -159,6 +160,7 @@ class _Builder:
         self.progress = progress
         self.nodes = []
         self.constants: set[str] = set()
+        self.sums: dict[tuple[str, int], str] = {}  # block sums by (input, block size)
 
     # -- small helpers ------------------------------------------------------------------------
 
@@ -306,14 +308,30 @@ class _Builder:
                            bits=weight.bits, block_size=weight.block_size, **level)
         if not weight.minimums:
             return out
-        # x's block sums as one MatMul with a [K, K / block] matrix of ones on its block
-        # diagonal (products by 1 and 0 are exact; one node where Reshape + ReduceSum are two)
-        size = weight.block_size
-        ones = np.kron(np.eye(k // size, dtype=np.float32), np.ones((size, 1), np.float32))
-        (sums,) = self.node("MatMul", [x, self.constant(f"block_sums.{k}x{size}", ones)])
-        (offset,) = self.node("MatMul", [sums, weight.minimums])  # [1, S, N]
+        (offset,) = self.node("MatMul", [self.block_sums(x, k, weight.block_size),
+                                         weight.minimums])  # [1, S, N]
         (out,) = self.node("Add", [out, offset], outputs=final)
         return out
+
+    def block_sums(self, x: str, k: int, size: int) -> str:
+        """x's sums over blocks of ``size`` ``[1, S, K / size]``, made once per input (q, k
+        and v, gate and up read the same x). A small K: one MatMul with a [K, K / size]
+        matrix of ones on its block diagonal (products by 1 and 0 are exact; one node where
+        Reshape + ReduceSum are two); a large one (an MLP's down projection: 10 MB of ones
+        read every step at K = 8,960) Reshape + ReduceSum."""
+        key = (x, size)
+        if key not in self.sums:
+            if k * (k // size) * 4 <= ONES_BYTES:
+                ones = np.kron(np.eye(k // size, dtype=np.float32), np.ones((size, 1), np.float32))
+                (sums,) = self.node("MatMul", [x, self.constant(f"block_sums.{k}x{size}",
+                                                                 ones)])
+            else:
+                (blocks,) = self.node("Reshape", [x, self.constant(
+                    f"blocks.{k}x{size}", np.array([0, 0, k // size, size]))])
+                (sums,) = self.node("ReduceSum", [blocks, self.constant(
+                    "axis_last", np.array([-1]))], keepdims=0)
+            self.sums[key] = sums
+        return self.sums[key]
 
     def skip_norm(self, name: str, x: str, skip: str, norm: str) -> tuple[str, str]:
         """(RMSNorm(x + skip), x + skip); ``norm`` names the checkpoint's weight."""
