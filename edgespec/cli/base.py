@@ -171,7 +171,7 @@ def resolve_package(package: Path | None) -> Path:
     built = named.built_package(name)
     if built is not None:
         return built
-    needs_export_extra("edgespec.export")
+    needs_export_extra("edgespec.export.package")
     model = named.MODELS[name]
     click.echo(f"{model.title} is not built yet: building it once into "
                f"{named.models_folder() / name} (edgespec models build {name})", err=True)

@@ -80,7 +80,13 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
            draft_vocab: int | None, draft_vocab_text: tuple[Path, ...], validation: str) -> None:
     """Export a target/draft pair, or a target alone, to one ONNX package (needs
     edgespec[export])."""
-    exporter = needs_export_extra("edgespec.export")
+    from edgespec.export.destination import check_destination
+    from edgespec.export.gguf_header import refuse_early
+
+    check_destination(out, overwrite)  # before the slow imports and any reading
+    for role, path in (("target", target), ("draft", draft)):
+        refuse_early(path, role)
+    exporter = needs_export_extra("edgespec.export.package")
     manifest = exporter.export_pair(target, draft, out, overwrite, dtype, quantize, graph,
                                     progress=lambda line: click.echo(line, err=True),
                                     validation=validation,

@@ -50,7 +50,7 @@ def list_models(packages: tuple[Path, ...]) -> None:
 def build(name: str, source: Path | None, overwrite: bool, target_compute: str | None) -> None:
     """Build the package of a real model NAME into the cache folder (needs the export extra);
     commands then take NAME where they take a package."""
-    needs_export_extra("edgespec.export")
+    needs_export_extra("edgespec.export.package")
     from edgespec.models import named
 
     path = named.build(name, source, progress=lambda line: click.echo(line, err=True),

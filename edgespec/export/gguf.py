@@ -33,11 +33,9 @@ import torch
 from edgespec.errors import ExportError, one_line
 from edgespec.export.pair import Checkpoint
 from edgespec.export.gguf_blocks import REPACKED, Packed, concat, repack
-from edgespec.export.gguf_header import check_gguf
+from edgespec.export.gguf_header import FAMILIES, refuse_early
 from edgespec.export.tensors import TensorIndex
 
-# the general.architecture values read (llama.cpp writes Mistral models as "llama")
-FAMILIES = ("llama", "qwen2", "qwen3")
 PERMUTED = ("llama",)  # architectures whose q/k rows llama.cpp's converter permutes
 KEPT = ("F32", "F16", "BF16")
 _TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -89,13 +87,9 @@ def read_gguf_checkpoint(file: Path, role: str) -> GGUFCheckpoint:
 
     from edgespec.export.graph import quiet
 
+    refuse_early(file, role)  # the header checked, the family one edgespec reads
     reader = _reader(file, role)
     architecture = _field(reader, "general.architecture")
-    if architecture not in FAMILIES:
-        raise ExportError(
-            f"--{role} {file} is a GGUF of architecture {architecture}; edgespec reads GGUF "
-            f"files of {', '.join(FAMILIES)} models (Mistral's are llama); export others "
-            "from their Hugging Face folder")
     if "tokenizer.ggml.tokens" not in reader.fields or "tokenizer.ggml.model" not in reader.fields:
         raise ExportError(f"--{role} {file} has no tokenizer (no tokenizer.ggml.* metadata); "
                           "export a GGUF file written with its tokenizer")
@@ -182,8 +176,7 @@ def _one_parse():
 
 
 def _reader(file: Path, role: str):
-    """gguf-py's reader of ``file``, once its header is checked (gguf_header.py says why)."""
-    check_gguf(file, role)
+    """gguf-py's reader of ``file``, its header checked before (gguf_header.py says why)."""
     try:
         return open_reader(file)
     except (ValueError, OSError, KeyError, IndexError, TypeError) as e:

@@ -52,6 +52,8 @@ CONFIG_RANGES = {
     "rope.dimension_count": (1, 1024),
     "vocab_size": (1, 1 << 22),
 }
+# the general.architecture values read (llama.cpp writes Mistral models as "llama")
+FAMILIES = ("llama", "qwen2", "qwen3")
 REQUIRED = ("block_count", "embedding_length", "attention.head_count")
 MAX_VOCAB = 1 << 22
 TOKEN_IDS = ("bos", "eos", "eot", "padding", "unknown")
@@ -71,6 +73,19 @@ class GGUFHeader:
     tensor_count: int
     fields: dict  # key -> int, float, bool, str or Array
     architecture: str
+
+
+def refuse_early(path: Path | None, role: str) -> None:
+    """A .gguf file named by ``--role`` with a bad header or of a family edgespec cannot read,
+    refused in a second (before torch and transformers load: export checks it again)."""
+    if path is None or Path(path).suffix.lower() != ".gguf" or not Path(path).is_file():
+        return
+    header = check_gguf(Path(path), role)
+    if header.architecture not in FAMILIES:
+        raise ExportError(
+            f"--{role} {path} is a GGUF of architecture {header.architecture}; "  # printable
+            f"edgespec reads GGUF files of {', '.join(FAMILIES)} models (Mistral's are llama); "
+            "export others from their Hugging Face folder")
 
 
 def check_gguf(file: Path, role: str) -> GGUFHeader:
