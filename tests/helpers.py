@@ -71,7 +71,10 @@ def texts_by_schedule(pipe, prompt: str, **settings) -> dict[str, list[int]]:
 def recorded_target_rows(pipe) -> Iterator[dict[tuple, list[np.ndarray]]]:
     """Every row of logits the target session computes while the block runs, by the tokens it
     scores (the prefix up to and including the row's own token): one entry each time that
-    prefix was scored. (benchmarks/greedy_identity.py records with it too.)"""
+    prefix was scored. (benchmarks/greedy_identity.py records with it too.) The kept caches
+    are dropped first: the block's first generation prefills its whole prompt, so every
+    position the cache covers was fed while recording."""
+    pipe.prefix_cache.clear()
     rows: dict[tuple, list[np.ndarray]] = {}
     text: list[int] = []  # the tokens the cache holds, as fed
     forward = pipe.target.forward

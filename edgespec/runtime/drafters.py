@@ -55,6 +55,7 @@ class Drafter:
     """
 
     name: str
+    stats: GenerationStats | None = None  # what its work is timed into: one generation's
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -68,7 +69,18 @@ class Drafter:
         return self.name != NO_DRAFTER
 
     def prefill(self, prompt: list[int]) -> None:
-        """Take in the prompt before the first round (the model: all but its last token)."""
+        """Take in the prompt before the first round (the model: all but its last token), from
+        where its state ends: a kept drafter (prefix_cache.py) covers a prefix of it already."""
+
+    def count_into(self, stats: GenerationStats) -> None:
+        """Time its work into ``stats`` from now on: a kept drafter goes on with the next
+        generation (prefix_cache.py)."""
+        self.stats = stats
+
+    @property
+    def nbytes(self) -> int:
+        """Memory its state holds (a kept drafter counts against prefix_cache.py's cap)."""
+        return 0
 
     def next_row(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig
                  ) -> Dist | None:
@@ -123,8 +135,12 @@ class ModelDrafter(Drafter):
         self.cache: KVCache | InPlaceKVCache = session.new_cache(positions)
 
     def prefill(self, prompt: list[int]) -> None:
-        if len(prompt) > 1:
-            self.session.forward(np.array(prompt[:-1]), self.cache)
+        if len(prompt) - 1 > self.cache.length:
+            self.session.forward(np.array(prompt[self.cache.length : -1]), self.cache)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
 
     def next_row(self, committed: list[int], drafted: Sequence[int],
                  sampling: SamplingConfig) -> Dist:
@@ -170,6 +186,10 @@ class Eagle3Drafter(Drafter):
         self.known = 0  # target features held: positions 0..known-1
         self.true_rows = 0  # head rows in the cache computed from target features
         self.hidden = None  # the last row run: (its index, its hidden_out [h])
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes + self.features.nbytes
 
     def target_features(self, start: int, rows: np.ndarray) -> None:
         if start > self.known:
@@ -279,7 +299,7 @@ class NgramDrafter(Drafter):
         self.index, self.stats = NgramIndex(min_n, max_n), stats
 
     def prefill(self, prompt: list[int]) -> None:
-        self.index.extend(prompt)
+        self.index.extend(prompt[len(self.index.tokens) :])
 
     def next_row(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig
                  ) -> Dist | None:
@@ -306,6 +326,12 @@ def tokens_from(committed: list[int], drafted: Sequence[int], start: int) -> lis
     if start <= len(committed):
         return [*committed[start:], *drafted]
     return list(drafted[start - len(committed) :])
+
+
+def drafter_key(name: str, config: GenerationConfig) -> tuple:
+    """What a drafter's state depends on besides the text: its name (``resolve_drafter``'s),
+    and the n-gram lookup's n. A kept drafter goes on only with a request of the same key."""
+    return (name, config.ngram_min, config.ngram_max) if name == "ngram" else (name,)
 
 
 def resolve_drafter(config: GenerationConfig, has_draft: bool) -> str:

@@ -187,6 +187,7 @@ def decode(
     eos_token_ids: set[int],
     stats: GenerationStats,
     first_allowed: np.ndarray | None = None,
+    cache: KVCache | InPlaceKVCache | None = None,
 ) -> Iterator[list[int]]:
     """Yield the tokens each round commits, until EOS, ``max_new_tokens`` or the context ends.
 
@@ -196,15 +197,21 @@ def decode(
     says why it stopped. ``first_allowed``: the ids the first generated token may take (token
     healing: ``prompt`` is then the user's backed off its last token, healing.py); it is drawn
     by one ``constrained_step`` before any drafting, and counts as a generated token.
+    ``cache``: the target's cache to decode in, covering a prefix of ``prompt[:-1]`` already
+    (a kept one, cropped to what it shares with the prompt: prefix_cache.py; ``drafter`` then
+    covers a prefix of it too), None: a new one. Between rounds, the caches and the prompt
+    with every list yielded so far agree (the cache invariant), which is what keeping them
+    for the next generation needs.
     """
     uniforms = PositionUniforms(config.seed, first=len(prompt))  # u[n] for generated token n
     started = time.perf_counter()
     committed = list(prompt)
     stats.prompt_tokens = len(prompt)
 
-    # 1. prefill: every prompt token but the last, so the cache invariant holds from round one
+    # 1. prefill: every prompt token but the last that the cache lacks, so the cache invariant
+    #    holds from round one
     target_runner = _prefill(target, drafter, committed, request_positions(len(prompt), config),
-                             stats)
+                             stats, cache)
 
     # 2. token healing: the first token from the target's row restricted to the allowed ids,
     #    drawn alike in target-only and speculative decoding and never drafted, so it is exact
@@ -233,13 +240,22 @@ def decode(
 
 
 def _prefill(target: ModelSession, drafter: Drafter, prompt: list[int], positions: int,
-             stats: GenerationStats) -> TargetRunner:
+             stats: GenerationStats, cache: KVCache | InPlaceKVCache | None = None
+             ) -> TargetRunner:
     """The target's runner with ``prompt[:-1]`` in its cache, the drafter given the prompt;
-    timed as a whole into ``stats.prefill_s``, the runner timing its own runs from then on."""
-    target_runner = TargetRunner.start(target, positions)
+    timed as a whole into ``stats.prefill_s``, the runner timing its own runs from then on.
+    ``cache``: one covering a prefix of ``prompt[:-1]`` (only the rest is run), None: a new
+    one with room for ``positions``; one covering the prompt's last token is refused."""
+    if cache is None:
+        target_runner = TargetRunner.start(target, positions)
+    elif cache.length > len(prompt) - 1:
+        raise CacheError(f"a cache of {cache.length} positions cannot start a prompt of "
+                         f"{len(prompt)} tokens: it must cover every token but the last")
+    else:
+        target_runner = TargetRunner(target, cache)
     target_runner.drafter = drafter
     with _timed(stats, "prefill_s"):
-        if len(prompt) > 1:
+        if len(prompt) - 1 > target_runner.cache.length:
             target_runner.run(prompt[:-1])
         drafter.prefill(prompt)
     target_runner.stats = stats
@@ -272,18 +288,18 @@ def _commit(new: list[int], room: int, committed: list[int], target: TargetRunne
             started: float) -> list[int]:
     """Append a step's tokens to ``committed``, at most ``room`` of them and up to and with an
     EOS, and count them; returns them. Checks the cache invariant first (the target's cache
-    covers every committed token but the last), and crops both caches back to it when the
-    last round's surplus is dropped."""
+    covers every committed token but the last), and crops both caches back to it when tokens
+    are dropped (the last round's surplus, what came after an EOS), so that it holds when
+    decoding ends too: the next generation may start from these caches (prefix_cache.py)."""
     if target.cache.length != len(committed) + len(new) - 1:
         raise CacheError(f"the target's cache covers {target.cache.length} tokens, "
                          f"not the {len(committed) + len(new) - 1} committed before the last")
-    if len(new) > room:  # the last round's surplus token: dropped, and the caches with it
-        new = new[:room]
-        target.cache.crop(len(committed) + room - 1)
-        drafter.rollback(len(committed) + room - 1)
     ends_at_eos = next((i for i, t in enumerate(new) if t in eos_token_ids), None)
-    if ends_at_eos is not None:
-        new = new[: ends_at_eos + 1]
+    end = min(room, len(new) if ends_at_eos is None else ends_at_eos + 1)
+    if end < len(new):  # dropped, and the caches with them
+        new = new[:end]
+        target.cache.crop(len(committed) + end - 1)
+        drafter.rollback(len(committed) + end - 1)
     committed += new
     stats.new_tokens += len(new)
     stats.total_s = time.perf_counter() - started
