@@ -67,6 +67,43 @@ def texts_by_schedule(pipe, prompt: str, **settings) -> dict[str, list[int]]:
     return {name: r.token_ids for name, r in runs.items()}
 
 
+def conversation(pipe, prompt: str) -> list:
+    """Prompts that reuse the last generation's text in each way a chat or a server meets:
+    the same prompt again, its text and reply with more after (the next chat turn), the last
+    prompt edited a few tokens before its end (a cache longer than what holds), and a prompt
+    sharing only its first token (a trimmed history). Each is a function of the last prompt
+    and the tokens generated from it."""
+    more = pipe.encode(" and then")[1:]
+    return [
+        lambda last, out: pipe.encode(prompt),
+        lambda last, out: list(last),  # the same again: all but the last token kept
+        lambda last, out: [*last, *out, *more],  # the next turn
+        lambda last, out: [*last[:-3], *more],  # edited: parts inside the kept text
+        lambda last, out: [*last, *out[:3], *more[::-1]],  # parts inside the reply
+        lambda last, out: last[:1] + pipe.encode("x = 1")[1:],  # only BOS in common
+    ]
+
+
+def reuse_mismatches(reusing, fresh, prompts: list[str], **settings) -> tuple[list, int, int]:
+    """Run every prompt's conversation on both pipelines: the mismatches (step, with kept
+    caches, fresh), and the positions reused and tokens drafted over all the steps."""
+    mismatches, reused, drafted = [], 0, 0
+    for prompt in prompts:
+        reusing.prefix_cache.clear()
+        last, out = None, None
+        for step, make in enumerate(conversation(reusing, prompt)):
+            ids = make(last, out)
+            with_kept = reusing.generate(ids, **settings)
+            alone = fresh.generate(ids, **settings)
+            assert alone.stats.prompt_tokens_reused == 0
+            if with_kept.token_ids != alone.token_ids:
+                mismatches.append((prompt, step, with_kept.token_ids, alone.token_ids))
+            reused += with_kept.stats.prompt_tokens_reused
+            drafted += with_kept.stats.drafted
+            last, out = ids, with_kept.token_ids
+    return mismatches, reused, drafted
+
+
 @contextmanager
 def recorded_target_rows(pipe) -> Iterator[dict[tuple, list[np.ndarray]]]:
     """Every row of logits the target session computes while the block runs, by the tokens it
