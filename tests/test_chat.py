@@ -74,6 +74,24 @@ def test_chat_is_greedy_generation_from_the_rendered_ids(pipe):
         pipe.encode_chat(QUESTION))
 
 
+def test_the_next_turn_starts_from_the_last_ones_caches(chatml_package, pipe):
+    """Each turn's prompt is the last one, its reply and a new message: it reuses the kept
+    caches at least as far as the last prompt (its reply retokenized may part sooner), and
+    answers what a pipeline that keeps none answers."""
+    fresh = edgespec.load(chatml_package, prefix_cache_slots=0)
+    pipe.prefix_cache.clear()
+    messages, last = [], []
+    for turn, message in enumerate(["hello", "and then?", "why"]):
+        messages.append(user(message))
+        result = pipe.chat(messages, max_new_tokens=8, **DRAFTED)
+        assert result.token_ids == fresh.chat(messages, max_new_tokens=8, **DRAFTED).token_ids
+        assert result.stats.drafted > 0
+        reused = result.stats.prompt_tokens_reused
+        assert reused == 0 if turn == 0 else reused >= len(last)
+        last = pipe.encode_chat(messages)
+        messages.append(assistant(result.text))
+
+
 def test_chat_stream_streams_the_same_text_and_can_be_cancelled(pipe):
     stream = pipe.chat_stream(QUESTION, max_new_tokens=12, drafter="none")
     assert "".join(stream) == pipe.chat(QUESTION, max_new_tokens=12, drafter="none").text
@@ -126,6 +144,8 @@ def test_chat_command_holds_the_conversation(chatml_package, pipe):
     assert [line for line in lines if "tok/s" in line] == [
         line for line in lines if "acceptance" in line and "drafted by model" in line]
     assert len([line for line in lines if "tok/s" in line]) == 2  # /stats came before "why"
+    # the third turn started from the second's kept caches
+    assert "prompt tokens reused" in [line for line in lines if "tok/s" in line][0]
     assert "(the conversation is forgotten)" in lines
     assert any(line.split() == ["/reset", "forget", "the", "conversation", "so", "far"]
                for line in lines)

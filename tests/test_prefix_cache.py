@@ -51,6 +51,23 @@ def test_the_store_takes_the_longest_shared_prefix_and_crops_it_out_of_the_store
     assert (store.hits, store.misses, store.reused_tokens) == (1, 2, 4)
 
 
+def test_another_conversations_caches_stay_for_it():
+    """Two conversations sharing a system prompt, taking turns: each next turn takes its own
+    caches, not the other's (which would lose all but the shared prefix); with one slot the
+    only entry is taken, since the next put drops it anyway."""
+    store = PrefixCache(slots=2)
+    store.put(kept([1, 2, 3, 4, 5, 6, 7], 6))  # conversation a, system prompt [1, 2]
+    entry, reused = store.take([1, 2, 9, 9], ("none",))  # b's first turn
+    assert entry is None and len(store) == 1
+    store.put(kept([1, 2, 9, 9, 8], 4))
+    entry, reused = store.take([1, 2, 3, 4, 5, 6, 7, 0], ("none",))  # a's next turn
+    assert reused == 6 and entry.text == [1, 2, 3, 4, 5, 6]
+    assert [e.text for e in store._entries] == [[1, 2, 9, 9, 8]]
+    single = PrefixCache(slots=1)
+    single.put(kept([1, 2, 3, 4, 5, 6, 7], 6))
+    assert single.take([1, 2, 9, 9], ("none",))[1] == 2
+
+
 def test_the_store_drops_the_least_recently_used_past_its_slots_and_bytes():
     store = PrefixCache(slots=2)
     for first in (1, 2, 3):

@@ -86,12 +86,20 @@ class PrefixCache:
 
     def take(self, prompt: Sequence[int], key: tuple) -> tuple[KeptCaches | None, int]:
         """The kept caches (drafter of ``key``) that share the most positions with ``prompt``,
-        cropped to them and no longer kept, with that number; (None, 0) if none shares any."""
+        cropped to them and no longer kept, with that number; (None, 0) if none shares any.
+
+        Cropping loses the rest of an entry's text, so one is taken only if it shares at
+        least half of what it covers (another conversation's, sharing a system prompt, stays
+        for that conversation's next turn), or if it is the one the next ``put`` drops anyway:
+        the least recently used of a full store (with one slot, the only one).
+        """
         with self._lock:
             best, reused = None, 0
+            full = len(self._entries) >= self.slots
             for entry in self._entries:
                 n = reusable_length(entry.text, entry.target.length, prompt)
-                if entry.key == key and n > reused:
+                worth = 2 * n >= entry.target.length or (full and entry is self._entries[0])
+                if entry.key == key and worth and n > reused:
                     best, reused = entry, n
             if best is None:
                 self.misses += 1

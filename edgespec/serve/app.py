@@ -37,6 +37,7 @@ from edgespec.config import NO_DRAFTER, resolve_sampling
 from edgespec.errors import EdgespecError
 from edgespec.runtime.inputs import check_ids
 from edgespec.runtime.pipeline import Pipeline
+from edgespec.runtime.prefix_cache import PrefixCache
 from edgespec.serve import middleware, prompts
 from edgespec.serve.chat import ChatTemplate
 from edgespec.serve.config import ServeConfig
@@ -96,6 +97,11 @@ def build_app(pipe: Pipeline, config: ServeConfig | None = None) -> Starlette:
     metrics = Metrics(paths)
     worker = Worker(config.queue, on_result=metrics.record)
     metrics.watch_queue(worker.counts)
+    # the server's kept caches: one store in the one pipeline its worker runs generations on,
+    # each taken by one generation at a time (runtime/prefix_cache.py)
+    pipe.prefix_cache = PrefixCache(config.cache_slots, None if config.cache_mb is None
+                                    else config.cache_mb << 20)
+    metrics.watch_cache(pipe.prefix_cache)
     server = Server(pipe, config.model or pipe.path.resolve().name, config, worker, template,
                     text, metrics, max_chars, max_bytes)
 
