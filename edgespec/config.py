@@ -41,11 +41,15 @@ class SamplingConfig:
     temperature: 0 means greedy (argmax); otherwise logits are divided by it (finite).
     top_k: keep the k most likely tokens; 0 keeps all.
     top_p: keep the smallest set of tokens whose probability mass reaches top_p; 1 keeps all.
+    min_p: keep the tokens at least min_p times as likely as the likeliest, at temperature 1
+        (llama.cpp's min-p: logit >= max logit + ln(min_p)); 0 keeps all. The three filters
+        each keep a top set of the row and a token is drawn from those all three keep.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not (_is_number(self.temperature) and 0 <= self.temperature < math.inf):
@@ -56,6 +60,9 @@ class SamplingConfig:
             raise ConfigError(f"top_k must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
         if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ConfigError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise ConfigError(f"min_p must be a number in [0, 1] (0 = no limit), got "
+                              f"{self.min_p!r}")
 
     @property
     def greedy(self) -> bool:
@@ -81,7 +88,8 @@ def describe_sampling(given: dict, package: dict) -> str:
     else:
         what = ", ".join([f"temperature {sampling.temperature:g}",
                           *([f"top-k {sampling.top_k}"] if sampling.top_k else []),
-                          *([f"top-p {sampling.top_p:g}"] if sampling.top_p < 1 else [])])
+                          *([f"top-p {sampling.top_p:g}"] if sampling.top_p < 1 else []),
+                          *([f"min-p {sampling.min_p:g}"] if sampling.min_p > 0 else [])])
     chosen = {name for name, value in given.items() if value is not None}
     if not chosen:
         where = ("the package's defaults" if package else

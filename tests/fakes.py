@@ -99,6 +99,7 @@ SAMPLED = {
     "T=1": SamplingConfig(1.0),
     "T=0.7 top-p 0.8": SamplingConfig(0.7, top_p=0.8),
     "T=1.2 top-k 4": SamplingConfig(1.2, top_k=4),
+    "T=0.8 min-p 0.2": SamplingConfig(0.8, min_p=0.2),
 }
 
 

@@ -51,7 +51,7 @@ def two_token_samples(pipe, sampling: SamplingConfig, n: int, prompt: str, **set
         result = pipe.generate(prompt, max_new_tokens=3, draft_length=2, schedule="fixed",
                                seed=seed,
                                temperature=sampling.temperature, top_k=sampling.top_k,
-                               top_p=sampling.top_p, **settings)
+                               top_p=sampling.top_p, min_p=sampling.min_p, **settings)
         samples.append(tuple(result.token_ids[:2]))
         drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
     return samples, drafted, accepted

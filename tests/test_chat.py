@@ -247,7 +247,7 @@ def test_generate_chat_answers_one_message(chatml_package, pipe):
                          "--system", "Be brief.", "--json").stdout)
     system = [{"role": "system", "content": "Be brief."}, *QUESTION]
     assert out["token_ids"] == pipe.chat(system, max_new_tokens=12).token_ids
-    assert out["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+    assert out["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
     assert run("generate", chatml_package, "hi", "--system", "x").exit_code == 1
 
 

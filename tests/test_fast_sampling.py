@@ -155,7 +155,8 @@ def test_top_p_exactly_at_a_mass_the_reference_reaches(logits, temperature, top_
     "config",
     [SamplingConfig(1.0), SamplingConfig(0.7, top_p=0.9), SamplingConfig(0.8, top_k=50),
      SamplingConfig(1.2, top_k=400, top_p=0.5), SamplingConfig(0.7, top_p=0.999),
-     SamplingConfig(5.0, top_p=0.95)],
+     SamplingConfig(5.0, top_p=0.95), SamplingConfig(0.8, min_p=0.05),
+     SamplingConfig(1.5, top_k=400, top_p=0.9, min_p=0.01)],
     ids=str,
 )
 def test_fast_rows_match_at_real_vocabulary_sizes(vocab, config):
@@ -172,6 +173,38 @@ def test_greedy_is_the_argmax_first_on_ties():
     rows = np.array([[0.1, 3.0, -1.0, 3.0], [5.0, 0.0, 0.0, 5.0]], dtype=np.float32)
     assert verify_greedy([1], rows) == (1, 0)
     assert verify_greedy([3], rows) == (0, 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    logits=st.integers(1, 40).flatmap(
+        lambda n: arrays(np.float32, n, elements=logit_values | tied_values)
+    ),
+    temperature=temperatures,
+    top_k=st.integers(0, 45),
+    min_p=st.floats(0.0, 1.0) | st.sampled_from([0.05, 0.1, 0.5, 1.0]),
+)
+def test_min_p_rows_are_the_reference_distribution(logits, temperature, top_k, min_p):
+    assume(np.isfinite(logits.max()))
+    assert_same_distribution(logits, SamplingConfig(temperature, top_k, min_p=min_p))
+
+
+def test_min_p_is_cut_on_the_logits_not_on_the_tempered_row(monkeypatch):
+    """llama.cpp's min-p (p at temperature 1) keeps 2 tokens of this row at T = 2, where the
+    cut taken after temperature (transformers') keeps 3: the check above tells them apart."""
+    logits = np.array([2.0, 1.0, 0.0, -1.0], dtype=np.float32)
+    config = SamplingConfig(2.0, min_p=0.3)  # ln 0.3 = -1.2: a cut at 0.8; at T = 2, -0.4
+    assert_same_distribution(logits, config)
+    assert np.count_nonzero(process_row(logits, config).dense(4)) == 2
+    original = sampling._min_p
+
+    def tempered(ids, row, weights, cut):
+        top = float(row.max())
+        return original(ids, row, weights, top + (cut - top) * config.temperature)
+
+    monkeypatch.setattr(sampling, "_min_p", tempered)
+    with pytest.raises(AssertionError):
+        assert_same_distribution(logits, config)
 
 
 def test_top_p_keeps_tokens_tied_with_the_last_kept():

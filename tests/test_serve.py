@@ -65,6 +65,7 @@ def test_models_and_health(client):
     {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 7, "max_tokens": 24, "gamma": 6},
     {"temperature": 0, "max_tokens": 40, "stop": ["\n"], "schedule": "heuristic"},
     {"temperature": 0.8, "max_tokens": 24, "seed": 4, "drafter": "ngram"},
+    {"temperature": 1.0, "min_p": 0.1, "max_tokens": 24, "seed": 2},
 ])
 def test_a_completion_equals_generate_with_the_same_settings(client, demo, settings):
     out = complete(client, **settings).json()

@@ -141,6 +141,17 @@ def test_speculative_sampling_matches_the_target_distribution(words):
     assert fit_pvalue(samples, expected) > ALPHA
 
 
+def test_min_p_sampling_matches_the_target_distribution(words):
+    """llama.cpp's min-p through the loop and the real sessions: draft rows cut as the
+    target's, the first two tokens follow the target's cut distribution."""
+    min_p = SamplingConfig(temperature=1.0, min_p=0.15)
+    expected = exact_two_token_distribution(words, min_p, PROMPT)
+    assert len(expected) < len(exact_two_token_distribution(words, T1, PROMPT))  # it cuts
+    samples, drafted, _ = two_token_samples(words, min_p, 2000, PROMPT)
+    assert drafted >= 2 * 2000
+    assert fit_pvalue(samples, expected) > ALPHA
+
+
 def test_target_only_sampling_matches_the_same_distribution(words):
     top_k = SamplingConfig(temperature=0.8, top_k=3)
     samples, drafted, _ = two_token_samples(words, top_k, 1500, PROMPT, drafter="none")

@@ -299,7 +299,7 @@ def _sampling(server: Server, body: Settings) -> dict:
     """The request's sampling settings; those it omits from the package's generation
     defaults, else greedy: the same rule as the library's and the CLI's
     (config.resolve_sampling), so one request gives one answer on every surface."""
-    given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k")}
+    given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p")}
     return asdict(resolve_sampling(given, server.pipe.manifest.generation))
 
 

@@ -51,6 +51,8 @@ class Settings(_Body):
     logprobs: bool | int | None = None
     # edgespec's own
     top_k: int | None = Field(None, ge=0)  # omitted: the package's default, else 0 (all)
+    # llama.cpp's and vLLM's min-p (config.SamplingConfig); omitted: the package's, else 0
+    min_p: float | None = Field(None, ge=0, le=1)
     gamma: int = Field(_DEFAULTS.gamma, ge=1, le=MAX_GAMMA)
     schedule: Literal[SCHEDULES] = _DEFAULTS.schedule  # type: ignore[valid-type]
     use_draft: bool = True
