@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 
 import numpy as np
 
 from edgespec.config import SamplingConfig
-from reference import process_logits
+from reference import penalize, process_logits
 
 PROMPTS = [
     "def add(a, b):",
@@ -21,14 +22,14 @@ SAMPLED = {"T=1": dict(temperature=1.0), "top-p": dict(temperature=0.7, top_p=0.
 
 
 def exact_two_token_distribution(pipe, sampling: SamplingConfig, prompt: str) -> dict:
-    """P(t1, t2) = p(t1 | prompt) p(t2 | prompt, t1) from the target graph; an EOS first token
-    ends the text."""
+    """P(t1, t2) = p(t1 | prompt) p(t2 | prompt, t1) from the target graph (each row penalized
+    for its prefix if the sampling sets penalties); an EOS first token ends the text."""
     ids = pipe.encode(prompt)
     eos = set(pipe.manifest.eos_token_ids)
 
     def p_next(prefix: list[int]) -> np.ndarray:
-        logits = pipe.target.forward(np.array(prefix), pipe.target.new_cache())[-1:]
-        return process_logits(logits, sampling)[0]
+        logits = pipe.target.forward(np.array(prefix), pipe.target.new_cache())[-1]
+        return process_logits(penalize(logits, prefix, len(ids), sampling)[None], sampling)[0]
 
     joint = {}
     for t1, p1 in enumerate(p_next(ids)):
@@ -50,8 +51,7 @@ def two_token_samples(pipe, sampling: SamplingConfig, n: int, prompt: str, **set
     for seed in range(n):
         result = pipe.generate(prompt, max_new_tokens=3, draft_length=2, schedule="fixed",
                                seed=seed,
-                               temperature=sampling.temperature, top_k=sampling.top_k,
-                               top_p=sampling.top_p, min_p=sampling.min_p, **settings)
+                               **asdict(sampling), **settings)
         samples.append(tuple(result.token_ids[:2]))
         drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
     return samples, drafted, accepted

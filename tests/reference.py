@@ -51,6 +51,22 @@ def process_logits(logits: np.ndarray, sampling: SamplingConfig) -> np.ndarray:
     return probs
 
 
+def penalize(logits: np.ndarray, text: list[int], prompt_tokens: int,
+             sampling: SamplingConfig) -> np.ndarray:
+    """One row ``[V]`` (float64 copy) penalized for ``text``, whose first ``prompt_tokens``
+    are the prompt: transformers' repetition penalty over every token of the text, then
+    OpenAI's presence and frequency penalties over the generated ones, token by token."""
+    row = logits.astype(np.float64)
+    r = sampling.repetition_penalty
+    for token in set(text):
+        row[token] = row[token] / r if row[token] > 0 else row[token] * r
+    generated = text[prompt_tokens:]
+    for token in set(generated):
+        count = generated.count(token)
+        row[token] -= sampling.presence_penalty + sampling.frequency_penalty * count
+    return row
+
+
 def _softmax_(x: np.ndarray) -> np.ndarray:
     """Softmax over the last axis, overwriting x."""
     x -= x.max(axis=-1, keepdims=True)

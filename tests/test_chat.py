@@ -247,7 +247,9 @@ def test_generate_chat_answers_one_message(chatml_package, pipe):
                          "--system", "Be brief.", "--json").stdout)
     system = [{"role": "system", "content": "Be brief."}, *QUESTION]
     assert out["token_ids"] == pipe.chat(system, max_new_tokens=12).token_ids
-    assert out["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    assert out["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                               "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                               "frequency_penalty": 0.0}
     assert run("generate", chatml_package, "hi", "--system", "x").exit_code == 1
 
 
@@ -285,6 +287,10 @@ def test_bench_prompts_render_conversations_through_the_template(pipe, plain_pac
     ({"temperature": 0.8}, {}, "temperature 0.8 (as given)"),
     ({"top_p": 0.5}, {"temperature": 1.0}, "temperature 1, top-p 0.5 (as given; the rest the "
                                            "package's defaults)"),
+    ({"min_p": 0.05, "repetition_penalty": 1.1}, {}, "greedy, repetition penalty 1.1 (as "
+                                                      "given)"),
+    ({"temperature": 0.7, "min_p": 0.05, "frequency_penalty": 0.5}, {},
+     "temperature 0.7, min-p 0.05, frequency penalty 0.5 (as given)"),
 ])
 def test_describe_sampling_says_what_and_where_from(given, package, said):
     assert describe_sampling(given, package) == said

@@ -131,6 +131,8 @@ BAD_INPUTS = {
     "top_p zero": (lambda p, t: ["generate", p["gpt2"], "hi", "--top-p", 0], "top_p must be a number in (0, 1]"),
     "top_p above one": (lambda p, t: ["generate", p["gpt2"], "hi", "--top-p", 1.5], "top_p must be a number in (0, 1]"),
     "min_p above one": (lambda p, t: ["generate", p["gpt2"], "hi", "--min-p", 1.5], "min_p must be a number in [0, 1]"),
+    "repetition penalty zero": (lambda p, t: ["generate", p["gpt2"], "hi", "--repetition-penalty", 0], "repetition_penalty must be a finite number > 0"),
+    "presence penalty past 2": (lambda p, t: ["generate", p["gpt2"], "hi", "--presence-penalty", 3], "presence_penalty must be a number in [-2, 2]"),
     "gamma zero": (lambda p, t: ["generate", p["gpt2"], "hi", "--gamma", 0], "gamma must be an integer in 1..64"),
     "gamma far too large": (lambda p, t: ["generate", p["gpt2"], "hi", "-k", 100000], "gamma must be an integer in 1..64"),
     "negative seed": (lambda p, t: ["generate", p["gpt2"], "hi", "--seed", -1], "seed must be None or an integer >= 0"),

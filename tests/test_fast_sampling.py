@@ -29,7 +29,7 @@ from fakes import (
 from stats_check import ALPHA, fit_pvalue
 
 from edgespec.config import GenerationConfig, SamplingConfig
-from reference import process_logits
+from reference import penalize, process_logits
 
 from edgespec.runtime import acceptance, sampling
 from edgespec.runtime.acceptance import (
@@ -40,6 +40,7 @@ from edgespec.runtime.acceptance import (
     verify_greedy,
     verify_sampled,
 )
+from edgespec.runtime.penalties import Penalties
 from edgespec.runtime.sampling import Dist, process_row
 from edgespec.runtime.schedule import FixedSchedule, HeuristicSchedule
 
@@ -460,6 +461,60 @@ def test_greedy_on_fake_sessions_is_the_target_argmax_whatever_k():
         assert fake_decode(*fake_pair(), config, schedule) == alone
 
 
+PENALTIES = SamplingConfig(0.0, repetition_penalty=1.8, presence_penalty=0.7,
+                           frequency_penalty=0.5)
+
+
+def penalized_mismatches(n_cases: int = 200) -> int:
+    """Rows Penalties.rows penalizes otherwise than the reference's ``penalize``: random
+    texts (prompt, then generated tokens) and drafts over 30 tokens, logits of both signs."""
+    rng = np.random.default_rng(0)
+    wrong = 0
+    for case in range(n_cases):
+        prompt = rng.integers(0, 30, rng.integers(1, 8)).tolist()
+        committed = prompt + rng.integers(0, 30, rng.integers(0, 8)).tolist()
+        drafted = rng.integers(0, 30, rng.integers(0, 4)).tolist()
+        logits = rng.standard_normal((len(drafted) + 1, 30)).astype(np.float32) * 3
+        penalties = Penalties(PENALTIES, len(prompt))
+        if case % 2:  # the counts caught up on an earlier, shorter text first
+            penalties.rows(logits[:1], committed[: len(prompt)])
+        rows = penalties.rows(logits, committed, drafted)
+        for i, row in enumerate(rows):
+            expected = penalize(logits[i], committed + drafted[:i], len(prompt), PENALTIES)
+            wrong += not np.allclose(row, expected, rtol=1e-6, atol=1e-5)
+    return wrong
+
+
+def test_penalized_rows_are_the_references():
+    assert penalized_mismatches() == 0
+    none = Penalties(SamplingConfig(1.0), 2)
+    logits = np.ones((2, 5), np.float32)
+    assert none.rows(logits, [1, 2, 3], [4]) is logits  # nothing set: the rows as they are
+
+
+def test_the_penalty_check_rejects_counting_the_prompt_as_generated(monkeypatch):
+    """OpenAI's counts are the generated tokens': a Penalties counting the prompt's too (as
+    repetition_penalty's set does) fails the same check."""
+    original = Penalties.__init__
+
+    def counting_the_prompt(self, sampling, prompt_tokens):
+        original(self, sampling, 0)
+
+    monkeypatch.setattr(Penalties, "__init__", counting_the_prompt)
+    assert penalized_mismatches() > 0
+
+
+def test_greedy_with_penalties_is_the_penalized_argmax_whatever_k():
+    """Greedy rows are penalized too: speculative == target-only at every k, and the
+    penalties change the text (else the check would say nothing)."""
+    config = GenerationConfig(max_new_tokens=20, sampling=PENALTIES)
+    alone = fake_decode(fake_pair()[0], None, config, FixedSchedule(1))
+    for schedule in (FixedSchedule(1), FixedSchedule(4), RandomSchedule(0)):
+        assert fake_decode(*fake_pair(), config, schedule) == alone
+    assert alone != fake_decode(fake_pair()[0], None, GenerationConfig(max_new_tokens=20),
+                                FixedSchedule(1))
+
+
 N_LOOP = 2000  # generations per check (about 1 s); wrong draws score p < 1e-20
 
 
@@ -496,3 +551,12 @@ def test_the_loop_emits_the_targets_distribution_with_drafting_switched_on_and_o
 def test_the_loop_check_rejects_a_wrong_draw(monkeypatch, wrong):
     monkeypatch.setattr(acceptance, "accept_or_replace", wrong)
     assert first_tokens_pvalue(N_LOOP, SAMPLED["T=1"], k=2) < 1e-6
+
+
+def test_the_loop_check_rejects_rows_penalized_without_their_drafts(monkeypatch):
+    """Row i of a round is penalized for the drafts before it too: penalizing every row for
+    the committed text alone draws the later positions from the wrong rows."""
+    rows = Penalties.rows
+    monkeypatch.setattr(Penalties, "rows",
+                        lambda self, logits, committed, drafted=(): rows(self, logits, committed))
+    assert first_tokens_pvalue(N_LOOP, SAMPLED["T=1 penalties"], k=2) < 1e-6

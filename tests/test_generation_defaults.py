@@ -102,7 +102,9 @@ def test_the_server_fills_omitted_settings_from_the_package_then_greedy_as_the_c
         return SimpleNamespace(pipe=SimpleNamespace(manifest=SimpleNamespace(generation=generation)))
 
     body = CompletionRequest(model="m", prompt="x", top_p=0.5)
+    unset = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+             "frequency_penalty": 0.0}
     assert _sampling(server({}), body) == {"temperature": 0.0, "top_k": 0, "top_p": 0.5,
-                                           "min_p": 0.0}
+                                           **unset}
     assert _sampling(server({"temperature": 0.7, "top_k": 20, "top_p": 0.9}), body) == {
-        "temperature": 0.7, "top_k": 20, "top_p": 0.5, "min_p": 0.0}
+        "temperature": 0.7, "top_k": 20, "top_p": 0.5, **unset}

@@ -152,6 +152,36 @@ def test_min_p_sampling_matches_the_target_distribution(words):
     assert fit_pvalue(samples, expected) > ALPHA
 
 
+def test_penalized_sampling_matches_the_target_distribution(words):
+    """Repetition, presence and frequency penalties: the second token's row is penalized for
+    the first, in the round that drafted it as in the exact distribution."""
+    penalized = SamplingConfig(temperature=1.0, repetition_penalty=1.6, presence_penalty=0.7,
+                               frequency_penalty=0.5)
+    expected = exact_two_token_distribution(words, penalized, PROMPT)
+    assert max(abs(expected[t] - p) for t, p in
+               exact_two_token_distribution(words, T1, PROMPT).items()) > 0.01  # it changes p
+    samples, drafted, _ = two_token_samples(words, penalized, 2000, PROMPT)
+    assert drafted >= 2 * 2000
+    assert fit_pvalue(samples, expected) > ALPHA
+
+
+@pytest.mark.parametrize("pair", ["llama_noisy", "gpt2"])
+def test_greedy_with_penalties_equals_target_only(pipes, pair):
+    pipe = pipes[pair]
+    penalties = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
+    changed = 0
+    for prompt in PROMPTS:
+        baseline = pipe.generate(prompt, max_new_tokens=32, drafter="none", **penalties)
+        changed += baseline.token_ids != pipe.generate(prompt, max_new_tokens=32,
+                                                       drafter="none").token_ids
+        for k in (1, 3):
+            result = pipe.generate(prompt, max_new_tokens=32, draft_length=k, schedule="fixed",
+                                   **penalties)
+            assert result.token_ids == baseline.token_ids, (prompt, k)
+            assert result.stats.drafted > 0
+    assert changed  # the penalties bite
+
+
 def test_target_only_sampling_matches_the_same_distribution(words):
     top_k = SamplingConfig(temperature=0.8, top_k=3)
     samples, drafted, _ = two_token_samples(words, top_k, 1500, PROMPT, drafter="none")

@@ -18,6 +18,7 @@ import numpy as np
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.runtime.drafters import Drafter
 from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
+from edgespec.runtime.penalties import Penalties
 from edgespec.runtime.sampling import process_row
 from edgespec.runtime.acceptance import (
     PositionUniforms,
@@ -91,6 +92,7 @@ def speculative_round(
     sampling: SamplingConfig,
     uniforms: PositionUniforms,
     stats: GenerationStats,
+    penalties: Penalties | None = None,
 ) -> Round:
     """One round of speculative sampling (Leviathan et al. 2023, Algorithm 1), keyed by position.
 
@@ -104,7 +106,8 @@ def speculative_round(
     alone (k = 0 does not ask the drafter). Greedy reads no uniforms.
     Returns what happened (the 1..k+1 tokens to commit, drafted, accepted); the target's cache
     ends covering the new ``committed[:-1]``, the drafter's state a prefix of it. ``stats``
-    only receives the sampling time (the sessions time their own runs).
+    only receives the sampling time (the sessions time their own runs). ``penalties``: the
+    repetition penalties of the request (penalties.py), None: none.
     """
     greedy = sampling.greedy
     u = None if greedy else uniforms.rows(len(committed), k + 1)  # [k+1, 3]
@@ -114,7 +117,11 @@ def speculative_round(
     k = len(draft_tokens)
 
     # 2. target scores the last committed token and the k drafts in one run   logits: [k+1, V]
+    #    row i penalized for the text before its token, committed + drafts[:i] (penalties.py)
     logits = target.run(committed, draft_tokens)[-(k + 1) :]
+    if penalties is not None:
+        with _timed(stats, "sampling_s"):
+            logits = penalties.rows(logits, committed, draft_tokens)
 
     # 3. target rows one at a time, up to the first rejection. Greedy: accept while the argmax
     #    matches, then the argmax (all k matched: the bonus argmax of row k). Sampling: accept
@@ -151,6 +158,7 @@ def constrained_step(
     sampling: SamplingConfig,
     uniforms: PositionUniforms,
     stats: GenerationStats,
+    penalties: Penalties | None = None,
 ) -> int:
     """One target step whose token is drawn from p restricted to ``allowed`` (token healing).
 
@@ -161,7 +169,9 @@ def constrained_step(
     the same row and uniform, with or without one. The cache keeps its invariant: it ends
     covering ``committed``, i.e. the new ``committed[:-1]``.
     """
-    logits = target.run(committed)[-1]  # [V]
+    logits = target.run(committed)[-1:]  # [1, V]
+    with _timed(stats, "sampling_s"):
+        logits = (logits if penalties is None else penalties.rows(logits, committed))[0]  # [V]
     with _timed(stats, "sampling_s"):
         masked = np.full_like(logits, -np.inf)  # [V]
         masked[allowed] = logits[allowed]
@@ -204,6 +214,7 @@ def decode(
     for the next generation needs.
     """
     uniforms = PositionUniforms(config.seed, first=len(prompt))  # u[n] for generated token n
+    penalties = Penalties(config.sampling, len(prompt))
     started = time.perf_counter()
     committed = list(prompt)
     stats.prompt_tokens = len(prompt)
@@ -219,7 +230,7 @@ def decode(
     #    step: counted as a k = 0 round, not shown the schedule.
     if first_allowed is not None:
         new = [constrained_step(target_runner, committed, first_allowed, config.sampling,
-                                uniforms, stats)]
+                                uniforms, stats, penalties)]
         if drafter.drafts:
             stats.draft_lengths[0] = stats.draft_lengths.get(0, 0) + 1
         new = _commit(new, 1, committed, target_runner, drafter, eos_token_ids, stats, started)
@@ -231,7 +242,7 @@ def decode(
     while not stats.finish_reason:
         room = min(config.max_new_tokens - stats.new_tokens, max_positions - len(committed))
         new = _scheduled_round(target_runner, drafter, committed, room, config, schedule,
-                               uniforms, stats)
+                               uniforms, stats, penalties)
         new = _commit(new, room, committed, target_runner, drafter, eos_token_ids, stats,
                       started)
         yield new
@@ -264,7 +275,7 @@ def _prefill(target: ModelSession, drafter: Drafter, prompt: list[int], position
 
 def _scheduled_round(target: TargetRunner, drafter: Drafter, committed: list[int], room: int,
                      config: GenerationConfig, schedule: Schedule, uniforms: PositionUniforms,
-                     stats: GenerationStats) -> list[int]:
+                     stats: GenerationStats, penalties: Penalties) -> list[int]:
     """One round with the k the schedule picks, recorded in the stats and shown the schedule.
 
     A round commits up to k + 1 tokens: drafting more than the request or the window has room
@@ -274,7 +285,8 @@ def _scheduled_round(target: TargetRunner, drafter: Drafter, committed: list[int
     """
     wanted = schedule.next_k() if drafter.drafts else 0
     k = min(wanted, max(room - 1, 1))
-    done = speculative_round(target, drafter, committed, k, config.sampling, uniforms, stats)
+    done = speculative_round(target, drafter, committed, k, config.sampling, uniforms, stats,
+                             penalties)
     if done.drafted:
         stats.record_round(done.drafted, done.accepted)
     if drafter.drafts:

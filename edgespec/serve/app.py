@@ -295,11 +295,15 @@ async def _admitted(server: Server) -> AsyncIterator[Job]:
             server.worker.release(job)
 
 
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty")  # what a request may set of config.SamplingConfig
+
+
 def _sampling(server: Server, body: Settings) -> dict:
     """The request's sampling settings; those it omits from the package's generation
     defaults, else greedy: the same rule as the library's and the CLI's
     (config.resolve_sampling), so one request gives one answer on every surface."""
-    given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p")}
+    given = {name: getattr(body, name) for name in _SAMPLING}
     return asdict(resolve_sampling(given, server.pipe.manifest.generation))
 
 
