@@ -100,6 +100,10 @@ SAMPLED = {
     "T=0.7 top-p 0.8": SamplingConfig(0.7, top_p=0.8),
     "T=1.2 top-k 4": SamplingConfig(1.2, top_k=4),
     "T=0.8 min-p 0.2": SamplingConfig(0.8, min_p=0.2),
+}
+# the loop's settings with repetition penalties too (rows that depend on the text before them)
+SAMPLED_AND_PENALIZED = {
+    **SAMPLED,
     "T=1 penalties": SamplingConfig(1.0, repetition_penalty=1.5, presence_penalty=0.8,
                                     frequency_penalty=0.6),
 }

@@ -145,13 +145,12 @@ def test_greedy_with_a_head_equals_target_only(eagle, name):
 def test_greedy_with_a_head_is_the_same_with_kept_caches(eagle, name):
     """The head's state (target features, rows, its cache) is kept with the target's cache and
     cropped with it (runtime/prefix_cache.py): the next generation drafts on from the shared
-    prefix and gives a fresh pipeline's tokens. int4: a target padding lone tokens."""
+    prefix and gives a fresh pipeline's tokens, on a float and an int4 target."""
     pipe = eagle[name][0]
     fresh = edgespec.load(pipe.path, prefix_cache_slots=0)
     mismatches, reused, drafted = reuse_mismatches(pipe, fresh, PROMPTS, max_new_tokens=16,
                                                    draft_length=2, schedule="fixed")
     assert mismatches == [] and reused > 0 and drafted > 0
-    assert name != "llama_int4" or pipe.target.min_run_tokens == 2
 
 
 def test_the_greedy_check_fails_for_a_loop_that_accepts_every_draft(eagle, monkeypatch):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from fakes import (
     SAMPLED,
+    SAMPLED_AND_PENALIZED,
     PrefixSession,
     RandomSchedule,
     exact_joint,
@@ -414,11 +415,11 @@ def test_the_nucleus_rule_is_strict_and_keeps_ties():
 # The loop on NumPy fake sessions: logits are a function of the token prefix
 
 
-@pytest.mark.parametrize("setting", SAMPLED)
+@pytest.mark.parametrize("setting", SAMPLED_AND_PENALIZED)
 def test_the_text_depends_on_the_seed_not_on_the_draft_lengths(setting):
     for seed in range(4):
-        config = GenerationConfig(max_new_tokens=24, sampling=SAMPLED[setting], seed=seed,
-                                  draft_length=4)
+        config = GenerationConfig(max_new_tokens=24, sampling=SAMPLED_AND_PENALIZED[setting],
+                                  seed=seed, draft_length=4)
         texts = {
             name: fake_decode(*fake_pair(), config, schedule)
             for name, schedule in {
@@ -441,12 +442,13 @@ class CountingSession(PrefixSession):
         return super().forward(tokens, cache)
 
 
-@pytest.mark.parametrize("setting", SAMPLED)
+@pytest.mark.parametrize("setting", SAMPLED_AND_PENALIZED)
 def test_drafting_off_is_one_target_step_and_the_target_only_text(setting):
     """k = 0 rounds never run the draft (after its prefill) and draw from p alone, with the
     position's first uniform: the same text as target-only decoding with the same seed."""
     for seed in range(4):
-        config = GenerationConfig(max_new_tokens=24, sampling=SAMPLED[setting], seed=seed)
+        config = GenerationConfig(max_new_tokens=24, sampling=SAMPLED_AND_PENALIZED[setting],
+                                  seed=seed)
         target, _ = fake_pair()
         draft = CountingSession(12, scale=1.0, salt=2, like=target)
         off = fake_decode(target, draft, config, FixedSchedule(0), prompt=(1, 2))
@@ -535,10 +537,10 @@ def first_tokens_pvalue(n_samples: int, sampling_config: SamplingConfig, k: int,
     return fit_pvalue(samples, expected)
 
 
-@pytest.mark.parametrize("setting", SAMPLED)
+@pytest.mark.parametrize("setting", SAMPLED_AND_PENALIZED)
 def test_the_loop_emits_the_targets_distribution(setting):
     # One k >= 1 is enough: the same seeds give the same tokens whatever k >= 1 (test above).
-    assert first_tokens_pvalue(N_LOOP, SAMPLED[setting], k=2) > ALPHA
+    assert first_tokens_pvalue(N_LOOP, SAMPLED_AND_PENALIZED[setting], k=2) > ALPHA
 
 
 def test_the_loop_emits_the_targets_distribution_with_drafting_switched_on_and_off():
@@ -559,4 +561,4 @@ def test_the_loop_check_rejects_rows_penalized_without_their_drafts(monkeypatch)
     rows = Penalties.rows
     monkeypatch.setattr(Penalties, "rows",
                         lambda self, logits, committed, drafted=(): rows(self, logits, committed))
-    assert first_tokens_pvalue(N_LOOP, SAMPLED["T=1 penalties"], k=2) < 1e-6
+    assert first_tokens_pvalue(N_LOOP, SAMPLED_AND_PENALIZED["T=1 penalties"], k=2) < 1e-6

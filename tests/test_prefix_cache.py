@@ -4,6 +4,8 @@ far fails the same check."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from helpers import PROMPTS, reuse_mismatches
@@ -227,3 +229,34 @@ def test_a_failed_generation_keeps_nothing(pairs, monkeypatch):
     with pytest.raises(RuntimeError, match="a run failed"):
         reusing.generate([*ids, 5, 6], **DRAFTED)
     assert len(reusing.prefix_cache) == 0  # taken, never put back
+
+
+def test_concurrent_generations_never_share_caches(pairs):
+    """Two conversations on one pipeline from two threads: each generation takes kept caches
+    alone (or new ones), so every answer is the one a pipeline keeping none gives."""
+    reusing, fresh = pairs["llama_noisy"]
+    more = fresh.encode(" and then")[1:]
+
+    def turns(prompt: str) -> list[tuple[list[int], list[int]]]:
+        ids, said = fresh.encode(prompt), []
+        for _ in range(3):
+            out = fresh.generate(ids, **DRAFTED).token_ids
+            said.append((ids, out))
+            ids = [*ids, *out, *more]
+        return said
+
+    expected = {prompt: turns(prompt) for prompt in PROMPTS[:3]}
+    got: dict[str, list] = {prompt: [] for prompt in expected}
+
+    def converse(prompt: str) -> None:
+        for ids, _ in expected[prompt]:
+            got[prompt].append(reusing.generate(ids, **DRAFTED).token_ids)
+
+    reusing.prefix_cache.clear()
+    threads = [threading.Thread(target=converse, args=(p,), daemon=True) for p in expected]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert got == {prompt: [out for _, out in said] for prompt, said in expected.items()}

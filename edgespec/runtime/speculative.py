@@ -167,12 +167,12 @@ def constrained_step(
     greedy the argmax over ``allowed``, sampling F_p^-1(u[n, 0]), as target-only decoding
     draws every position. No drafter takes part, so this position is drawn the same way, from
     the same row and uniform, with or without one. The cache keeps its invariant: it ends
-    covering ``committed``, i.e. the new ``committed[:-1]``.
+    covering ``committed``, i.e. the new ``committed[:-1]``. ``penalties``: as for a round,
+    applied before the restriction.
     """
     logits = target.run(committed)[-1:]  # [1, V]
     with _timed(stats, "sampling_s"):
         logits = (logits if penalties is None else penalties.rows(logits, committed))[0]  # [V]
-    with _timed(stats, "sampling_s"):
         masked = np.full_like(logits, -np.inf)  # [V]
         masked[allowed] = logits[allowed]
         p = process_row(masked, sampling)
