@@ -12,8 +12,9 @@ sampling, up to the float rounding of runs cut at other places.
 
 Kept caches are taken out while a generation uses them, and put back only at a point where
 they agree with the text committed so far (between rounds: a finished, stopped or cancelled
-generation); a generation that fails part-way never puts them back. So no two generations
-share caches, and partial work (a round's rejected drafts) is never taken for committed text.
+generation); a generation that fails part-way, or whose stream is dropped unfinished, never
+puts them back. So no two generations share caches, and partial work (a round's rejected
+drafts) is never taken for committed text.
 """
 
 from __future__ import annotations
