@@ -73,14 +73,15 @@ def conversation(pipe, prompt: str) -> list:
     prompt edited a few tokens before its end (a cache longer than what holds), and a prompt
     sharing only its first token (a trimmed history). Each is a function of the last prompt
     and the tokens generated from it."""
-    more = pipe.encode(" and then")[1:]
+    more = pipe.tokenizer.encode(" and then", add_special_tokens=False).ids
+    other = pipe.tokenizer.encode("x = 1", add_special_tokens=False).ids
     return [
         lambda last, out: pipe.encode(prompt),
         lambda last, out: list(last),  # the same again: all but the last token kept
         lambda last, out: [*last, *out, *more],  # the next turn
         lambda last, out: [*last[:-3], *more],  # edited: parts inside the kept text
         lambda last, out: [*last, *out[:3], *more[::-1]],  # parts inside the reply
-        lambda last, out: last[:1] + pipe.encode("x = 1")[1:],  # only BOS in common
+        lambda last, out: [*last[:1], *other],  # only the first token in common
     ]
 
 

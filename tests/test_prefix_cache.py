@@ -205,7 +205,7 @@ def test_a_cancelled_stream_keeps_only_what_it_committed(pairs):
     assert entry.text[len(ids) : len(ids) + len(partial)] == partial
     assert entry.target.length == len(entry.text) - 1
     assert entry.drafter.cache.length <= entry.target.length
-    follow = [*ids, *whole, *reusing.encode(" and")[1:]]
+    follow = [*ids, *whole, *reusing.tokenizer.encode(" and", add_special_tokens=False).ids]
     with_kept = reusing.generate(follow, **DRAFTED)
     assert with_kept.stats.prompt_tokens_reused == len(ids) + committed - 1
     assert with_kept.token_ids == fresh.generate(follow, **DRAFTED).token_ids
@@ -235,7 +235,7 @@ def test_concurrent_generations_never_share_caches(pairs):
     """Two conversations on one pipeline from two threads: each generation takes kept caches
     alone (or new ones), so every answer is the one a pipeline keeping none gives."""
     reusing, fresh = pairs["llama_noisy"]
-    more = fresh.encode(" and then")[1:]
+    more = fresh.tokenizer.encode(" and then", add_special_tokens=False).ids
 
     def turns(prompt: str) -> list[tuple[list[int], list[int]]]:
         ids, said = fresh.encode(prompt), []
