@@ -494,6 +494,20 @@ def test_penalized_rows_are_the_references():
     assert none.rows(logits, [1, 2, 3], [4]) is logits  # nothing set: the rows as they are
 
 
+def test_a_draft_row_is_penalized_as_the_target_row_at_its_position():
+    """``row`` (a draft's: the text so far and every draft) gives the row ``rows`` gives the
+    target at that position, and a subset draft's columns of it."""
+    rng = np.random.default_rng(1)
+    committed, drafted = [3, 5, 5, 7, 3, 9], [9, 2, 5]
+    logits = rng.standard_normal((4, 30)).astype(np.float32) * 3
+    penalties = Penalties(PENALTIES, 3)
+    target_rows = penalties.rows(logits, committed, drafted)
+    np.testing.assert_array_equal(penalties.row(logits[3], committed, drafted), target_rows[3])
+    subset = np.array([0, 2, 3, 9, 20])  # column j scores token subset[j]; 5 and 7 are outside
+    np.testing.assert_array_equal(
+        penalties.row(logits[3][subset], committed, drafted, subset), target_rows[3][subset])
+
+
 def test_the_penalty_check_rejects_counting_the_prompt_as_generated(monkeypatch):
     """OpenAI's counts are the generated tokens': a Penalties counting the prompt's too (as
     repetition_penalty's set does) fails the same check."""

@@ -19,6 +19,7 @@ import edgespec
 from edgespec.config import SamplingConfig
 from edgespec.runtime import acceptance as sampler
 from edgespec.runtime import speculative
+from edgespec.runtime.penalties import Penalties
 
 @pytest.fixture(scope="module")
 def pipes(packages):
@@ -67,6 +68,25 @@ def test_draft_equal_to_target_accepts_everything_at_temperature_zero(pipes, gam
         if stats.finish_reason == "max_new_tokens":
             assert stats.tokens_per_target_call == pytest.approx(40 / stats.target_calls)
             assert stats.target_calls <= -(-40 // (gamma + 1)) + 1
+
+
+PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
+
+
+def test_a_draft_equal_to_its_target_accepts_everything_with_penalties_too(pipes, monkeypatch):
+    """The draft's rows are penalized as the target's: a draft that is the target proposes
+    the target's penalized argmax every time. Unpenalized drafts (any q is exact) would not."""
+    def acceptance():
+        stats = [pipes["llama_self"].generate(p, max_new_tokens=32, draft_length=3,
+                                              schedule="fixed", **PENALTIES).stats
+                 for p in PROMPTS]
+        return sum(s.accepted for s in stats), sum(s.drafted for s in stats)
+
+    accepted, drafted = acceptance()
+    assert drafted > 0 and accepted == drafted
+    monkeypatch.setattr(Penalties, "row", lambda self, logits, *args: logits)
+    accepted, drafted = acceptance()
+    assert accepted < drafted
 
 
 def test_a_wrong_acceptance_rule_breaks_greedy_identity(pipes, monkeypatch):
@@ -168,7 +188,7 @@ def test_penalized_sampling_matches_the_target_distribution(words):
 @pytest.mark.parametrize("pair", ["llama_noisy", "gpt2"])
 def test_greedy_with_penalties_equals_target_only(pipes, pair):
     pipe = pipes[pair]
-    penalties = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
+    penalties = PENALTIES
     changed = 0
     for prompt in PROMPTS:
         baseline = pipe.generate(prompt, max_new_tokens=32, drafter="none", **penalties)

@@ -41,6 +41,7 @@ import numpy as np
 from edgespec.config import NO_DRAFTER, GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError
 from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
+from edgespec.runtime.penalties import Penalties
 from edgespec.runtime.sampling import Dist, point_mass, process_row
 from edgespec.runtime.session import ModelSession
 from edgespec.runtime.stats import GenerationStats
@@ -82,11 +83,12 @@ class Drafter:
         """Memory its state holds (a kept drafter counts against prefix_cache.py's cap)."""
         return 0
 
-    def next_row(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig
-                 ) -> Dist | None:
+    def next_row(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig,
+                 penalties: Penalties | None = None) -> Dist | None:
         """The proposal q for the token after ``committed + drafted`` (the two apart so that no
         round copies the whole text): a row, a point mass, or None. Runs the drafter, whose
-        state then covers those tokens (``rollback`` takes it back)."""
+        state then covers those tokens (``rollback`` takes it back). ``penalties``: the
+        request's (penalties.py), which a model's rows take as the target's do."""
         return None
 
     def rollback(self, length: int) -> None:
@@ -97,7 +99,8 @@ class Drafter:
         target paired with an EAGLE-3 head (only a head reads them)."""
 
     def propose(
-        self, committed: list[int], k: int, sampling: SamplingConfig, u: np.ndarray | None
+        self, committed: list[int], k: int, sampling: SamplingConfig, u: np.ndarray | None,
+        penalties: Penalties | None = None,
     ) -> tuple[list[int], list[Dist]]:
         """Up to k draft tokens after ``committed`` and the rows they were drawn from.
 
@@ -107,7 +110,7 @@ class Drafter:
         """
         tokens, rows = [], []
         for i in range(k):
-            q = self.next_row(committed, tokens, sampling)
+            q = self.next_row(committed, tokens, sampling, penalties)
             if q is None:
                 break
             rows.append(q)
@@ -143,11 +146,13 @@ class ModelDrafter(Drafter):
         return self.cache.nbytes
 
     def next_row(self, committed: list[int], drafted: Sequence[int],
-                 sampling: SamplingConfig) -> Dist:
+                 sampling: SamplingConfig, penalties: Penalties | None = None) -> Dist:
         start = time.perf_counter()
         fed = np.array(tokens_from(committed, drafted, self.cache.length))
         logits = self.session.forward(fed, self.cache)[-1]  # [V], or [N] for a subset draft
         middle = time.perf_counter()
+        if penalties is not None:
+            logits = penalties.row(logits, committed, drafted, self.session.token_ids)
         q = process_row(logits, sampling)
         if self.session.token_ids is not None:  # column j is token token_ids[j]; q = 0 elsewhere
             q = q.relabel(self.session.token_ids)
@@ -205,7 +210,7 @@ class Eagle3Drafter(Drafter):
         self.known = end
 
     def next_row(self, committed: list[int], drafted: Sequence[int],
-                 sampling: SamplingConfig) -> Dist | None:
+                 sampling: SamplingConfig, penalties: Penalties | None = None) -> Dist | None:
         n = len(committed) + len(drafted)  # the position proposed: row n - 2 scores it
         row = n - 2
         if row < 0:
@@ -228,7 +233,10 @@ class Eagle3Drafter(Drafter):
         logits, hidden = self.session.forward_rows(np.array(tokens), self.cache, features)
         self.hidden = (row, hidden[-1].copy())  # not a view of a buffer the next run may reuse
         middle = time.perf_counter()
-        q = process_row(logits[-1], sampling).relabel(self.session.token_ids)
+        row = logits[-1]  # [N]: the draft vocabulary's columns
+        if penalties is not None:
+            row = penalties.row(row, committed, drafted, self.session.token_ids)
+        q = process_row(row, sampling).relabel(self.session.token_ids)
         self.stats.draft_s += middle - start
         self.stats.sampling_s += time.perf_counter() - middle
         self.stats.draft_calls += 1
@@ -301,8 +309,8 @@ class NgramDrafter(Drafter):
     def prefill(self, prompt: list[int]) -> None:
         self.index.extend(prompt[len(self.index.tokens) :])
 
-    def next_row(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig
-                 ) -> Dist | None:
+    def next_row(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig,
+                 penalties: Penalties | None = None) -> Dist | None:
         start = time.perf_counter()
         index = self.index
         known = len(index.tokens)

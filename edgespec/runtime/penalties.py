@@ -8,8 +8,9 @@ is processed (temperature, top-k, top-p, min-p: sampling.py), in greedy decoding
 
 Row n (the token at position n) is penalized for the text before n, drafts included, so p_n is
 still a function of the prefix alone: the acceptance rule (acceptance.py) and the uniforms keyed
-by position are unchanged, and speculative output stays the target's. Drafts are drawn from
-the draft's own rows: any q keeps the output exact; only acceptance differs.
+by position are unchanged, and speculative output stays the target's. A draft model's rows
+are penalized the same way (``row``), so that q stays near p: any q keeps the output exact,
+only acceptance would differ.
 """
 
 from __future__ import annotations
@@ -50,11 +51,29 @@ class Penalties:
         self._count(committed)
         out = np.array(logits, dtype=np.float32)  # [n, V]
         for i, row in enumerate(out):
-            in_text, generated = set(self.in_text), dict(self.generated)
-            for position, token in enumerate(drafted[:i], start=len(committed)):
-                self._add(in_text, generated, position, token)
-            self._penalize(row, in_text, generated)
+            self._penalize(row, *self._with(committed, drafted[:i]))
         return out
+
+    def row(self, logits: np.ndarray, committed: list[int], drafted: Sequence[int],
+            token_ids: np.ndarray | None = None) -> np.ndarray:
+        """A draft's row scoring the token after ``committed + drafted``, penalized for that
+        text as the target's is: ``[V]``, or ``[N]`` whose column j is token ``token_ids[j]``
+        (a subset draft; tokens outside it have no logit to change). The row itself when no
+        penalty is set, else a float32 copy."""
+        if not self.active:
+            return logits
+        self._count(committed)
+        out = np.array(logits, dtype=np.float32)  # [V] or [N]
+        self._penalize(out, *self._with(committed, drafted), token_ids)
+        return out
+
+    def _with(self, committed: list[int], drafted: Sequence[int]
+              ) -> tuple[set[int], dict[int, int]]:
+        """The counts of ``committed`` (counted) and then ``drafted``, as copies."""
+        in_text, generated = set(self.in_text), dict(self.generated)
+        for position, token in enumerate(drafted, start=len(committed)):
+            self._add(in_text, generated, position, token)
+        return in_text, generated
 
     def _count(self, committed: list[int]) -> None:
         for position in range(self.known, len(committed)):
@@ -67,16 +86,29 @@ class Penalties:
         if position >= self.prompt_tokens:
             generated[token] = generated.get(token, 0) + 1
 
-    def _penalize(self, row: np.ndarray, in_text: set[int], generated: dict[int, int]) -> None:
-        """Row ``[V]`` in place: l -> l / r or l * r for the tokens in the text, then
-        l - a_p [c > 0] - a_f c for the generated ones."""
+    def _penalize(self, row: np.ndarray, in_text: set[int], generated: dict[int, int],
+                  token_ids: np.ndarray | None = None) -> None:
+        """Row ``[V]`` (or ``[N]``, column j token ``token_ids[j]``) in place: l -> l / r or
+        l * r for the tokens in the text, then l - a_p [c > 0] - a_f c for the generated."""
         if self.r != 1 and in_text:
-            ids = np.fromiter(in_text, np.int64, len(in_text))
-            ids = ids[ids < len(row)]
-            values = row[ids]
-            row[ids] = np.where(values > 0, values / self.r, values * self.r)
+            columns, _ = _columns(np.fromiter(in_text, np.int64, len(in_text)), len(row),
+                                  token_ids)
+            values = row[columns]
+            row[columns] = np.where(values > 0, values / self.r, values * self.r)
         if (self.presence or self.frequency) and generated:
-            ids = np.fromiter(generated, np.int64, len(generated))
-            counts = np.fromiter(generated.values(), np.float32, len(generated))
-            keep = ids < len(row)
-            row[ids[keep]] -= self.presence + self.frequency * counts[keep]
+            columns, kept = _columns(np.fromiter(generated, np.int64, len(generated)),
+                                     len(row), token_ids)
+            counts = np.fromiter(generated.values(), np.float32, len(generated))[kept]
+            row[columns] -= self.presence + self.frequency * counts
+
+
+def _columns(ids: np.ndarray, width: int, token_ids: np.ndarray | None
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """The columns of a row ``[width]`` holding tokens ``ids`` (column j: token j, or
+    ``token_ids[j]``, ascending), and which of ``ids`` have one (a mask over ids)."""
+    if token_ids is None:
+        kept = ids < width
+        return ids[kept], kept
+    j = np.minimum(np.searchsorted(token_ids, ids), len(token_ids) - 1)
+    kept = token_ids[j] == ids
+    return j[kept], kept

@@ -113,7 +113,7 @@ def speculative_round(
     u = None if greedy else uniforms.rows(len(committed), k + 1)  # [k+1, 3]
 
     # 1. the drafter proposes up to k tokens with their rows q (fewer if a lookup runs out)
-    draft_tokens, q_rows = drafter.propose(committed, k, sampling, u)
+    draft_tokens, q_rows = drafter.propose(committed, k, sampling, u, penalties)
     k = len(draft_tokens)
 
     # 2. target scores the last committed token and the k drafts in one run   logits: [k+1, V]
@@ -138,7 +138,7 @@ def speculative_round(
     #    x = F_q_k^-1(u[k, 0]) tested against p_k (row k) as in step 3; no proposal, or k = 0
     #    (drafting off: a plain target step, the drafter not asked): F_p_k^-1(u[k, 0])
     if next_token is None:
-        q = drafter.next_row(committed, draft_tokens, sampling) if k else None
+        q = drafter.next_row(committed, draft_tokens, sampling, penalties) if k else None
         with _timed(stats, "sampling_s"):
             p = process_row(logits[k], sampling)
             next_token = p.draw(u[k, 0]) if q is None else position_token(p, q, u[k])
