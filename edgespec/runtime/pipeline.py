@@ -320,10 +320,13 @@ class Pipeline:
 
         ``config`` gives every setting at once; keyword settings override its fields:
         max_new_tokens, draft_length, schedule, drafter, ngram_min, ngram_max, seed, stop,
-        ignore_eos, token_healing, temperature, top_k, top_p (and, deprecated, gamma for
-        draft_length and use_draft=False for drafter="none"). Without ``config``, sampling
+        ignore_eos, token_healing, temperature, top_k, top_p, min_p, repetition_penalty,
+        presence_penalty, frequency_penalty (and, deprecated, gamma for draft_length and
+        use_draft=False for drafter="none"). Without ``config``, sampling
         starts from the package's defaults (``default_sampling``: its target's
-        generation_config.json, else greedy) and keyword settings override them.
+        generation_config.json, else greedy) and keyword settings override them. The
+        generation starts from the kept caches of an earlier one that share a prefix with the
+        prompt (``prefix_cache``, runtime/prefix_cache.py): the same output, less prefill.
         """
         stream = self.stream(prompt, config, **settings)
         for _ in stream:
