@@ -90,7 +90,8 @@ def step(args) -> None:
                 for size in args.sizes.split(",")}
     times: dict[tuple[str, int], list[float]] = {}
     pipes = {(size, threads): edgespec.load(path, provider="cpu",
-                                            draft=SessionConfig("cpu", threads=threads))
+                                            draft=SessionConfig("cpu", threads=threads),
+                                            prefix_cache_slots=0)  # cold runs
              for size, path in packages.items() for threads in (1, 0)}
     context = 256
     states = {}

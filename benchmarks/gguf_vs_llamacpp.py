@@ -96,7 +96,8 @@ def load_pipeline(pkg: str, threads: int, spin: bool = True):
 
     return edgespec.load(pkg, provider="cpu",
                          target=SessionConfig(provider="cpu", threads=threads, spin=spin),
-                         calibration_cache=False)
+                         calibration_cache=False,
+                         prefix_cache_slots=0)  # every run prefills its prompt, as llama-cli
 
 
 # ----------------------------------------------------------------------------- perplexity

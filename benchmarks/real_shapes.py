@@ -465,7 +465,7 @@ def measure(package: Path, setting: Setting, context: int, steps: int,
     draft = SessionConfig("cpu", threads=setting.draft_threads or cores)
     before = resident_bytes()
     start = time.perf_counter()
-    pipe = edgespec.load(package, target=target, draft=draft)
+    pipe = edgespec.load(package, target=target, draft=draft, prefix_cache_slots=0)  # cold runs
     result = {"setting": asdict(setting), "cores": cores, "draft_threads": draft.threads,
               "load_s": time.perf_counter() - start, "rss_before_load": before,
               "rss_after_load": resident_bytes(), "rss_anon_after_load": anonymous_bytes()}

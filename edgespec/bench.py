@@ -156,6 +156,9 @@ def run_bench(
         for repeat in range(config.repeats):
             for i, prompt in enumerate(prompts):
                 seed = config.seed + 1000 * repeat + i
+                # cold runs, each prefilling its whole prompt: the speculative run would
+                # otherwise start from the KV its baseline left (runtime/prefix_cache.py)
+                pipe.prefix_cache.clear()
                 # EOS ignored: every run makes max_new_tokens, whatever it samples
                 base = GenerationConfig(config.max_new_tokens, sampling, drafter=NO_DRAFTER,
                                         seed=seed, ignore_eos=True)
@@ -163,6 +166,7 @@ def run_bench(
                 for drafter, schedule, gamma in config.variants:
                     spec = GenerationConfig(config.max_new_tokens, sampling, gamma, schedule,
                                             seed=seed, ignore_eos=True, drafter=drafter)
+                    pipe.prefix_cache.clear()
                     runs[drafter, schedule, gamma].append(
                         (baseline, pipe.generate(prompt, spec).stats))
                 done += 1 + len(config.variants)

@@ -41,11 +41,24 @@ class SamplingConfig:
     temperature: 0 means greedy (argmax); otherwise logits are divided by it (finite).
     top_k: keep the k most likely tokens; 0 keeps all.
     top_p: keep the smallest set of tokens whose probability mass reaches top_p; 1 keeps all.
+    min_p: keep the tokens at least min_p times as likely as the likeliest, at temperature 1
+        (llama.cpp's min-p: logit >= max logit + ln(min_p)); 0 keeps all. The three filters
+        each keep a top set of the row and a token is drawn from those all three keep.
+    repetition_penalty: transformers' (> 0; 1 is none): the logit l of every token in the text
+        so far, prompt included, becomes l / r if l > 0, else l * r.
+    presence_penalty, frequency_penalty: OpenAI's (-2..2; 0 is none): l - presence [c > 0]
+        - frequency c, c the token's count among the generated tokens.
+        The penalties change the target's logits before the rest, in greedy decoding too
+        (runtime/penalties.py).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not (_is_number(self.temperature) and 0 <= self.temperature < math.inf):
@@ -56,6 +69,17 @@ class SamplingConfig:
             raise ConfigError(f"top_k must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
         if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ConfigError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise ConfigError(f"min_p must be a number in [0, 1] (0 = no limit), got "
+                              f"{self.min_p!r}")
+        if not (_is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf):
+            raise ConfigError(f"repetition_penalty must be a finite number > 0 (1 = none), got "
+                              f"{self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_is_number(value) and -2 <= value <= 2):
+                raise ConfigError(f"{name} must be a number in [-2, 2] (0 = none), got "
+                                  f"{value!r}")
 
     @property
     def greedy(self) -> bool:
@@ -77,11 +101,16 @@ def describe_sampling(given: dict, package: dict) -> str:
     "temperature 0.7, top-p 0.9 (the package's defaults)"."""
     sampling = resolve_sampling(given, package)
     if sampling.greedy:
-        what = "greedy"
+        parts = ["greedy"]
     else:
-        what = ", ".join([f"temperature {sampling.temperature:g}",
-                          *([f"top-k {sampling.top_k}"] if sampling.top_k else []),
-                          *([f"top-p {sampling.top_p:g}"] if sampling.top_p < 1 else [])])
+        parts = [f"temperature {sampling.temperature:g}",
+                 *([f"top-k {sampling.top_k}"] if sampling.top_k else []),
+                 *([f"top-p {sampling.top_p:g}"] if sampling.top_p < 1 else []),
+                 *([f"min-p {sampling.min_p:g}"] if sampling.min_p > 0 else [])]
+    parts += [f"{name.replace('_', ' ')} {getattr(sampling, name):g}"
+              for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")
+              if getattr(sampling, name) != SamplingConfig.__dataclass_fields__[name].default]
+    what = ", ".join(parts)
     chosen = {name for name, value in given.items() if value is not None}
     if not chosen:
         where = ("the package's defaults" if package else

@@ -12,7 +12,7 @@ import numpy as np
 
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.runtime.drafters import Drafter, make_drafter, resolve_drafter
-from reference import process_logits
+from reference import penalize, process_logits
 from edgespec.runtime.speculative import decode, request_positions
 from edgespec.runtime.stats import GenerationStats
 
@@ -99,15 +99,23 @@ SAMPLED = {
     "T=1": SamplingConfig(1.0),
     "T=0.7 top-p 0.8": SamplingConfig(0.7, top_p=0.8),
     "T=1.2 top-k 4": SamplingConfig(1.2, top_k=4),
+    "T=0.8 min-p 0.2": SamplingConfig(0.8, min_p=0.2),
+}
+# the loop's settings with repetition penalties too (rows that depend on the text before them)
+SAMPLED_AND_PENALIZED = {
+    **SAMPLED,
+    "T=1 penalties": SamplingConfig(1.0, repetition_penalty=1.5, presence_penalty=0.8,
+                                    frequency_penalty=0.6),
 }
 
 
 def exact_joint(target, sampling_config: SamplingConfig, prompt: tuple, vocab: int,
                 length: int) -> dict[tuple, float]:
     """The target's exact probability of every continuation of ``prompt`` of ``length`` tokens
-    (the reference's p, prefix by prefix)."""
+    (the reference's p, prefix by prefix, penalized for the prefix if the config says so)."""
     def p(prefix) -> np.ndarray:
-        return process_logits(target.row(prefix)[None], sampling_config)[0]
+        row = penalize(target.row(prefix), list(prefix), len(prompt), sampling_config)
+        return process_logits(row[None], sampling_config)[0]
 
     expected = {}
     for seq in itertools.product(range(vocab), repeat=length):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 
 import numpy as np
 
 from edgespec.config import SamplingConfig
-from reference import process_logits
+from reference import penalize, process_logits
 
 PROMPTS = [
     "def add(a, b):",
@@ -21,14 +22,14 @@ SAMPLED = {"T=1": dict(temperature=1.0), "top-p": dict(temperature=0.7, top_p=0.
 
 
 def exact_two_token_distribution(pipe, sampling: SamplingConfig, prompt: str) -> dict:
-    """P(t1, t2) = p(t1 | prompt) p(t2 | prompt, t1) from the target graph; an EOS first token
-    ends the text."""
+    """P(t1, t2) = p(t1 | prompt) p(t2 | prompt, t1) from the target graph (each row penalized
+    for its prefix if the sampling sets penalties); an EOS first token ends the text."""
     ids = pipe.encode(prompt)
     eos = set(pipe.manifest.eos_token_ids)
 
     def p_next(prefix: list[int]) -> np.ndarray:
-        logits = pipe.target.forward(np.array(prefix), pipe.target.new_cache())[-1:]
-        return process_logits(logits, sampling)[0]
+        logits = pipe.target.forward(np.array(prefix), pipe.target.new_cache())[-1]
+        return process_logits(penalize(logits, prefix, len(ids), sampling)[None], sampling)[0]
 
     joint = {}
     for t1, p1 in enumerate(p_next(ids)):
@@ -50,8 +51,7 @@ def two_token_samples(pipe, sampling: SamplingConfig, n: int, prompt: str, **set
     for seed in range(n):
         result = pipe.generate(prompt, max_new_tokens=3, draft_length=2, schedule="fixed",
                                seed=seed,
-                               temperature=sampling.temperature, top_k=sampling.top_k,
-                               top_p=sampling.top_p, **settings)
+                               **asdict(sampling), **settings)
         samples.append(tuple(result.token_ids[:2]))
         drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
     return samples, drafted, accepted
@@ -67,11 +67,52 @@ def texts_by_schedule(pipe, prompt: str, **settings) -> dict[str, list[int]]:
     return {name: r.token_ids for name, r in runs.items()}
 
 
+def conversation(pipe, prompt: str) -> list:
+    """Prompts that reuse the last generation's text in each way a chat or a server meets:
+    the same prompt again, its text and reply with more after (the next chat turn), the last
+    prompt edited a few tokens before its end (a cache longer than what holds), and a prompt
+    sharing only its first token (a trimmed history). Each is a function of the last prompt
+    and the tokens generated from it."""
+    more = pipe.tokenizer.encode(" and then", add_special_tokens=False).ids
+    other = pipe.tokenizer.encode("x = 1", add_special_tokens=False).ids
+    return [
+        lambda last, out: pipe.encode(prompt),
+        lambda last, out: list(last),  # the same again: all but the last token kept
+        lambda last, out: [*last, *out, *more],  # the next turn
+        lambda last, out: [*last[:-3], *more],  # edited: parts inside the kept text
+        lambda last, out: [*last, *out[:3], *more[::-1]],  # parts inside the reply
+        lambda last, out: [*last[:1], *other],  # only the first token in common
+    ]
+
+
+def reuse_mismatches(reusing, fresh, prompts: list[str], **settings) -> tuple[list, int, int]:
+    """Run every prompt's conversation on both pipelines: the mismatches (step, with kept
+    caches, fresh), and the positions reused and tokens drafted over all the steps."""
+    mismatches, reused, drafted = [], 0, 0
+    for prompt in prompts:
+        reusing.prefix_cache.clear()
+        last, out = None, None
+        for step, make in enumerate(conversation(reusing, prompt)):
+            ids = make(last, out)
+            with_kept = reusing.generate(ids, **settings)
+            alone = fresh.generate(ids, **settings)
+            assert alone.stats.prompt_tokens_reused == 0
+            if with_kept.token_ids != alone.token_ids:
+                mismatches.append((prompt, step, with_kept.token_ids, alone.token_ids))
+            reused += with_kept.stats.prompt_tokens_reused
+            drafted += with_kept.stats.drafted
+            last, out = ids, with_kept.token_ids
+    return mismatches, reused, drafted
+
+
 @contextmanager
 def recorded_target_rows(pipe) -> Iterator[dict[tuple, list[np.ndarray]]]:
     """Every row of logits the target session computes while the block runs, by the tokens it
     scores (the prefix up to and including the row's own token): one entry each time that
-    prefix was scored. (benchmarks/greedy_identity.py records with it too.)"""
+    prefix was scored. (benchmarks/greedy_identity.py records with it too.) The kept caches
+    are dropped first: the block's first generation prefills its whole prompt, so every
+    position the cache covers was fed while recording."""
+    pipe.prefix_cache.clear()
     rows: dict[tuple, list[np.ndarray]] = {}
     text: list[int] = []  # the tokens the cache holds, as fed
     forward = pipe.target.forward

@@ -17,7 +17,8 @@ def process_logits(logits: np.ndarray, sampling: SamplingConfig) -> np.ndarray:
     """Turn logits ``[n, V]`` into probabilities ``[n, V]`` (float64, rows sum to 1).
 
     Applied identically to draft and target rows so that p and q come from the same processing.
-    Order as in transformers: temperature, then top-k, then top-p (nucleus). Temperature 0
+    Order as in transformers: temperature, then top-k, then top-p (nucleus), then min-p (its
+    cut on the logits, as llama.cpp takes it: what all three keep). Temperature 0
     gives one-hot rows on the argmax (first index on ties), so greedy decoding runs through the
     same acceptance rule: it accepts exactly when the draft's argmax equals the target's.
     The max is subtracted before dividing by the temperature, so a temperature whose inverse
@@ -42,7 +43,28 @@ def process_logits(logits: np.ndarray, sampling: SamplingConfig) -> np.ndarray:
     probs = _softmax_(scaled)
     if sampling.top_p < 1.0:
         probs = _nucleus_(probs, sampling.top_p)
+    if sampling.min_p > 0:
+        # llama.cpp's min-p, on the logits (temperature 1): p_1(x) >= min_p * max p_1
+        raw = logits.astype(np.float64)  # [n, V]
+        probs[raw < raw.max(axis=-1, keepdims=True) + np.log(sampling.min_p)] = 0.0
+        probs /= probs.sum(axis=-1, keepdims=True)
     return probs
+
+
+def penalize(logits: np.ndarray, text: list[int], prompt_tokens: int,
+             sampling: SamplingConfig) -> np.ndarray:
+    """One row ``[V]`` (float64 copy) penalized for ``text``, whose first ``prompt_tokens``
+    are the prompt: transformers' repetition penalty over every token of the text, then
+    OpenAI's presence and frequency penalties over the generated ones, token by token."""
+    row = logits.astype(np.float64)
+    r = sampling.repetition_penalty
+    for token in set(text):
+        row[token] = row[token] / r if row[token] > 0 else row[token] * r
+    generated = text[prompt_tokens:]
+    for token in set(generated):
+        count = generated.count(token)
+        row[token] -= sampling.presence_penalty + sampling.frequency_penalty * count
+    return row
 
 
 def _softmax_(x: np.ndarray) -> np.ndarray:

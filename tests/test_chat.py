@@ -74,6 +74,24 @@ def test_chat_is_greedy_generation_from_the_rendered_ids(pipe):
         pipe.encode_chat(QUESTION))
 
 
+def test_the_next_turn_starts_from_the_last_ones_caches(chatml_package, pipe):
+    """Each turn's prompt is the last one, its reply and a new message: it reuses the kept
+    caches at least as far as the last prompt (its reply retokenized may part sooner), and
+    answers what a pipeline that keeps none answers."""
+    fresh = edgespec.load(chatml_package, prefix_cache_slots=0)
+    pipe.prefix_cache.clear()
+    messages, last = [], []
+    for turn, message in enumerate(["hello", "and then?", "why"]):
+        messages.append(user(message))
+        result = pipe.chat(messages, max_new_tokens=8, **DRAFTED)
+        assert result.token_ids == fresh.chat(messages, max_new_tokens=8, **DRAFTED).token_ids
+        assert result.stats.drafted > 0
+        reused = result.stats.prompt_tokens_reused
+        assert reused == 0 if turn == 0 else reused >= len(last)
+        last = pipe.encode_chat(messages)
+        messages.append(assistant(result.text))
+
+
 def test_chat_stream_streams_the_same_text_and_can_be_cancelled(pipe):
     stream = pipe.chat_stream(QUESTION, max_new_tokens=12, drafter="none")
     assert "".join(stream) == pipe.chat(QUESTION, max_new_tokens=12, drafter="none").text
@@ -126,6 +144,8 @@ def test_chat_command_holds_the_conversation(chatml_package, pipe):
     assert [line for line in lines if "tok/s" in line] == [
         line for line in lines if "acceptance" in line and "drafted by model" in line]
     assert len([line for line in lines if "tok/s" in line]) == 2  # /stats came before "why"
+    # the third turn started from the second's kept caches
+    assert "prompt tokens reused" in [line for line in lines if "tok/s" in line][0]
     assert "(the conversation is forgotten)" in lines
     assert any(line.split() == ["/reset", "forget", "the", "conversation", "so", "far"]
                for line in lines)
@@ -227,7 +247,9 @@ def test_generate_chat_answers_one_message(chatml_package, pipe):
                          "--system", "Be brief.", "--json").stdout)
     system = [{"role": "system", "content": "Be brief."}, *QUESTION]
     assert out["token_ids"] == pipe.chat(system, max_new_tokens=12).token_ids
-    assert out["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+    assert out["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                               "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                               "frequency_penalty": 0.0}
     assert run("generate", chatml_package, "hi", "--system", "x").exit_code == 1
 
 
@@ -265,6 +287,10 @@ def test_bench_prompts_render_conversations_through_the_template(pipe, plain_pac
     ({"temperature": 0.8}, {}, "temperature 0.8 (as given)"),
     ({"top_p": 0.5}, {"temperature": 1.0}, "temperature 1, top-p 0.5 (as given; the rest the "
                                            "package's defaults)"),
+    ({"min_p": 0.05, "repetition_penalty": 1.1}, {}, "greedy, repetition penalty 1.1 (as "
+                                                      "given)"),
+    ({"temperature": 0.7, "min_p": 0.05, "frequency_penalty": 0.5}, {},
+     "temperature 0.7, min-p 0.05, frequency penalty 0.5 (as given)"),
 ])
 def test_describe_sampling_says_what_and_where_from(given, package, said):
     assert describe_sampling(given, package) == said

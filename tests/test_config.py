@@ -24,6 +24,7 @@ BAD_GENERATION = [
 BAD_SAMPLING = [
     dict(temperature="0.5"), dict(temperature=-1), dict(temperature=True),
     dict(top_k=1.5), dict(top_k=-1), dict(top_k="3"), dict(top_p="1"), dict(top_p=0.0),
+    dict(min_p=-0.1), dict(min_p=1.5), dict(min_p="0.1"),
 ]
 
 

@@ -169,7 +169,7 @@ class CopyOnDrafter(NgramDrafter):
     vLLM's lookups propose, but not a function of the prefix: it depends on where the round
     began, so k changes the text)."""
 
-    def propose(self, committed, k, sampling_config, u):
+    def propose(self, committed, k, sampling_config, u, penalties=None):
         tokens, rows = super().propose(committed, 1, sampling_config, u)
         if tokens:
             self.rollback(len(committed))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import PROMPTS, exact_two_token_distribution, two_token_samples
+from helpers import PROMPTS, exact_two_token_distribution, reuse_mismatches, two_token_samples
 from stats_check import ALPHA, fit_pvalue
 
 import edgespec
@@ -139,6 +139,18 @@ def test_greedy_with_a_head_equals_target_only(eagle, name):
     assert drafted > 0
     if name == "words":  # partial rounds: the head's catch-up over several rows ran
         assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_int4"])
+def test_greedy_with_a_head_is_the_same_with_kept_caches(eagle, name):
+    """The head's state (target features, rows, its cache) is kept with the target's cache and
+    cropped with it (runtime/prefix_cache.py): the next generation drafts on from the shared
+    prefix and gives a fresh pipeline's tokens, on a float and an int4 target."""
+    pipe = eagle[name][0]
+    fresh = edgespec.load(pipe.path, prefix_cache_slots=0)
+    mismatches, reused, drafted = reuse_mismatches(pipe, fresh, PROMPTS, max_new_tokens=16,
+                                                   draft_length=2, schedule="fixed")
+    assert mismatches == [] and reused > 0 and drafted > 0
 
 
 def test_the_greedy_check_fails_for_a_loop_that_accepts_every_draft(eagle, monkeypatch):

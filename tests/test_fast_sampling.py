@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from fakes import (
     SAMPLED,
+    SAMPLED_AND_PENALIZED,
     PrefixSession,
     RandomSchedule,
     exact_joint,
@@ -29,7 +30,7 @@ from fakes import (
 from stats_check import ALPHA, fit_pvalue
 
 from edgespec.config import GenerationConfig, SamplingConfig
-from reference import process_logits
+from reference import penalize, process_logits
 
 from edgespec.runtime import acceptance, sampling
 from edgespec.runtime.acceptance import (
@@ -40,6 +41,7 @@ from edgespec.runtime.acceptance import (
     verify_greedy,
     verify_sampled,
 )
+from edgespec.runtime.penalties import Penalties
 from edgespec.runtime.sampling import Dist, process_row
 from edgespec.runtime.schedule import FixedSchedule, HeuristicSchedule
 
@@ -155,7 +157,8 @@ def test_top_p_exactly_at_a_mass_the_reference_reaches(logits, temperature, top_
     "config",
     [SamplingConfig(1.0), SamplingConfig(0.7, top_p=0.9), SamplingConfig(0.8, top_k=50),
      SamplingConfig(1.2, top_k=400, top_p=0.5), SamplingConfig(0.7, top_p=0.999),
-     SamplingConfig(5.0, top_p=0.95)],
+     SamplingConfig(5.0, top_p=0.95), SamplingConfig(0.8, min_p=0.05),
+     SamplingConfig(1.5, top_k=400, top_p=0.9, min_p=0.01)],
     ids=str,
 )
 def test_fast_rows_match_at_real_vocabulary_sizes(vocab, config):
@@ -172,6 +175,38 @@ def test_greedy_is_the_argmax_first_on_ties():
     rows = np.array([[0.1, 3.0, -1.0, 3.0], [5.0, 0.0, 0.0, 5.0]], dtype=np.float32)
     assert verify_greedy([1], rows) == (1, 0)
     assert verify_greedy([3], rows) == (0, 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    logits=st.integers(1, 40).flatmap(
+        lambda n: arrays(np.float32, n, elements=logit_values | tied_values)
+    ),
+    temperature=temperatures,
+    top_k=st.integers(0, 45),
+    min_p=st.floats(0.0, 1.0) | st.sampled_from([0.05, 0.1, 0.5, 1.0]),
+)
+def test_min_p_rows_are_the_reference_distribution(logits, temperature, top_k, min_p):
+    assume(np.isfinite(logits.max()))
+    assert_same_distribution(logits, SamplingConfig(temperature, top_k, min_p=min_p))
+
+
+def test_min_p_is_cut_on_the_logits_not_on_the_tempered_row(monkeypatch):
+    """llama.cpp's min-p (p at temperature 1) keeps 2 tokens of this row at T = 2, where the
+    cut taken after temperature (transformers') keeps 3: the check above tells them apart."""
+    logits = np.array([2.0, 1.0, 0.0, -1.0], dtype=np.float32)
+    config = SamplingConfig(2.0, min_p=0.3)  # ln 0.3 = -1.2: a cut at 0.8; at T = 2, -0.4
+    assert_same_distribution(logits, config)
+    assert np.count_nonzero(process_row(logits, config).dense(4)) == 2
+    original = sampling._min_p
+
+    def tempered(ids, row, weights, cut):
+        top = float(row.max())
+        return original(ids, row, weights, top + (cut - top) * config.temperature)
+
+    monkeypatch.setattr(sampling, "_min_p", tempered)
+    with pytest.raises(AssertionError):
+        assert_same_distribution(logits, config)
 
 
 def test_top_p_keeps_tokens_tied_with_the_last_kept():
@@ -380,11 +415,11 @@ def test_the_nucleus_rule_is_strict_and_keeps_ties():
 # The loop on NumPy fake sessions: logits are a function of the token prefix
 
 
-@pytest.mark.parametrize("setting", SAMPLED)
+@pytest.mark.parametrize("setting", SAMPLED_AND_PENALIZED)
 def test_the_text_depends_on_the_seed_not_on_the_draft_lengths(setting):
     for seed in range(4):
-        config = GenerationConfig(max_new_tokens=24, sampling=SAMPLED[setting], seed=seed,
-                                  draft_length=4)
+        config = GenerationConfig(max_new_tokens=24, sampling=SAMPLED_AND_PENALIZED[setting],
+                                  seed=seed, draft_length=4)
         texts = {
             name: fake_decode(*fake_pair(), config, schedule)
             for name, schedule in {
@@ -407,12 +442,13 @@ class CountingSession(PrefixSession):
         return super().forward(tokens, cache)
 
 
-@pytest.mark.parametrize("setting", SAMPLED)
+@pytest.mark.parametrize("setting", SAMPLED_AND_PENALIZED)
 def test_drafting_off_is_one_target_step_and_the_target_only_text(setting):
     """k = 0 rounds never run the draft (after its prefill) and draw from p alone, with the
     position's first uniform: the same text as target-only decoding with the same seed."""
     for seed in range(4):
-        config = GenerationConfig(max_new_tokens=24, sampling=SAMPLED[setting], seed=seed)
+        config = GenerationConfig(max_new_tokens=24, sampling=SAMPLED_AND_PENALIZED[setting],
+                                  seed=seed)
         target, _ = fake_pair()
         draft = CountingSession(12, scale=1.0, salt=2, like=target)
         off = fake_decode(target, draft, config, FixedSchedule(0), prompt=(1, 2))
@@ -425,6 +461,74 @@ def test_greedy_on_fake_sessions_is_the_target_argmax_whatever_k():
     alone = fake_decode(fake_pair()[0], None, config, FixedSchedule(1))
     for schedule in (FixedSchedule(1), FixedSchedule(4), RandomSchedule(0)):
         assert fake_decode(*fake_pair(), config, schedule) == alone
+
+
+PENALTIES = SamplingConfig(0.0, repetition_penalty=1.8, presence_penalty=0.7,
+                           frequency_penalty=0.5)
+
+
+def penalized_mismatches(n_cases: int = 200) -> int:
+    """Rows Penalties.rows penalizes otherwise than the reference's ``penalize``: random
+    texts (prompt, then generated tokens) and drafts over 30 tokens, logits of both signs."""
+    rng = np.random.default_rng(0)
+    wrong = 0
+    for case in range(n_cases):
+        prompt = rng.integers(0, 30, rng.integers(1, 8)).tolist()
+        committed = prompt + rng.integers(0, 30, rng.integers(0, 8)).tolist()
+        drafted = rng.integers(0, 30, rng.integers(0, 4)).tolist()
+        logits = rng.standard_normal((len(drafted) + 1, 30)).astype(np.float32) * 3
+        penalties = Penalties(PENALTIES, len(prompt))
+        if case % 2:  # the counts caught up on an earlier, shorter text first
+            penalties.rows(logits[:1], committed[: len(prompt)])
+        rows = penalties.rows(logits, committed, drafted)
+        for i, row in enumerate(rows):
+            expected = penalize(logits[i], committed + drafted[:i], len(prompt), PENALTIES)
+            wrong += not np.allclose(row, expected, rtol=1e-6, atol=1e-5)
+    return wrong
+
+
+def test_penalized_rows_are_the_references():
+    assert penalized_mismatches() == 0
+    none = Penalties(SamplingConfig(1.0), 2)
+    logits = np.ones((2, 5), np.float32)
+    assert none.rows(logits, [1, 2, 3], [4]) is logits  # nothing set: the rows as they are
+
+
+def test_a_draft_row_is_penalized_as_the_target_row_at_its_position():
+    """``row`` (a draft's: the text so far and every draft) gives the row ``rows`` gives the
+    target at that position, and a subset draft's columns of it."""
+    rng = np.random.default_rng(1)
+    committed, drafted = [3, 5, 5, 7, 3, 9], [9, 2, 5]
+    logits = rng.standard_normal((4, 30)).astype(np.float32) * 3
+    penalties = Penalties(PENALTIES, 3)
+    target_rows = penalties.rows(logits, committed, drafted)
+    np.testing.assert_array_equal(penalties.row(logits[3], committed, drafted), target_rows[3])
+    subset = np.array([0, 2, 3, 9, 20])  # column j scores token subset[j]; 5 and 7 are outside
+    np.testing.assert_array_equal(
+        penalties.row(logits[3][subset], committed, drafted, subset), target_rows[3][subset])
+
+
+def test_the_penalty_check_rejects_counting_the_prompt_as_generated(monkeypatch):
+    """OpenAI's counts are the generated tokens': a Penalties counting the prompt's too (as
+    repetition_penalty's set does) fails the same check."""
+    original = Penalties.__init__
+
+    def counting_the_prompt(self, sampling, prompt_tokens):
+        original(self, sampling, 0)
+
+    monkeypatch.setattr(Penalties, "__init__", counting_the_prompt)
+    assert penalized_mismatches() > 0
+
+
+def test_greedy_with_penalties_is_the_penalized_argmax_whatever_k():
+    """Greedy rows are penalized too: speculative == target-only at every k, and the
+    penalties change the text (else the check would say nothing)."""
+    config = GenerationConfig(max_new_tokens=20, sampling=PENALTIES)
+    alone = fake_decode(fake_pair()[0], None, config, FixedSchedule(1))
+    for schedule in (FixedSchedule(1), FixedSchedule(4), RandomSchedule(0)):
+        assert fake_decode(*fake_pair(), config, schedule) == alone
+    assert alone != fake_decode(fake_pair()[0], None, GenerationConfig(max_new_tokens=20),
+                                FixedSchedule(1))
 
 
 N_LOOP = 2000  # generations per check (about 1 s); wrong draws score p < 1e-20
@@ -447,10 +551,10 @@ def first_tokens_pvalue(n_samples: int, sampling_config: SamplingConfig, k: int,
     return fit_pvalue(samples, expected)
 
 
-@pytest.mark.parametrize("setting", SAMPLED)
+@pytest.mark.parametrize("setting", SAMPLED_AND_PENALIZED)
 def test_the_loop_emits_the_targets_distribution(setting):
     # One k >= 1 is enough: the same seeds give the same tokens whatever k >= 1 (test above).
-    assert first_tokens_pvalue(N_LOOP, SAMPLED[setting], k=2) > ALPHA
+    assert first_tokens_pvalue(N_LOOP, SAMPLED_AND_PENALIZED[setting], k=2) > ALPHA
 
 
 def test_the_loop_emits_the_targets_distribution_with_drafting_switched_on_and_off():
@@ -463,3 +567,12 @@ def test_the_loop_emits_the_targets_distribution_with_drafting_switched_on_and_o
 def test_the_loop_check_rejects_a_wrong_draw(monkeypatch, wrong):
     monkeypatch.setattr(acceptance, "accept_or_replace", wrong)
     assert first_tokens_pvalue(N_LOOP, SAMPLED["T=1"], k=2) < 1e-6
+
+
+def test_the_loop_check_rejects_rows_penalized_without_their_drafts(monkeypatch):
+    """Row i of a round is penalized for the drafts before it too: penalizing every row for
+    the committed text alone draws the later positions from the wrong rows."""
+    rows = Penalties.rows
+    monkeypatch.setattr(Penalties, "rows",
+                        lambda self, logits, committed, drafted=(): rows(self, logits, committed))
+    assert first_tokens_pvalue(N_LOOP, SAMPLED_AND_PENALIZED["T=1 penalties"], k=2) < 1e-6

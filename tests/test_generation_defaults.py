@@ -41,19 +41,20 @@ def sampled_package(checkpoints, tmp_path_factory):
 def test_the_checkpoints_sampling_settings_travel_into_the_manifest(sampled_package):
     package, lines = sampled_package
     manifest = edgespec.load(package).manifest
-    assert manifest.generation == {"temperature": 0.7, "top_k": 20, "top_p": 0.9}
-    assert any("not applied: repetition_penalty 1.1" in line for line in lines)
+    assert manifest.generation == {"temperature": 0.7, "top_k": 20, "top_p": 0.9,
+                                   "repetition_penalty": 1.1}
+    assert not any("repetition_penalty" in line for line in lines if "not applied" in line)
 
 
 def test_greedy_checkpoints_default_to_greedy_and_silent_ones_to_nothing(checkpoints, tmp_path):
     # do_sample false and temperature 1 are transformers' defaults: written, they are a choice
     target = with_generation_config(checkpoints, tmp_path, do_sample=False, temperature=1.0,
-                                    repetition_penalty=1.3)
+                                    repetition_penalty=1.3, typical_p=0.9)
     lines = []
     manifest = export_pair(target, checkpoints["llama_noisy"], tmp_path / "pkg",
                            validation="skip", progress=lines.append)
-    assert manifest.generation == {"temperature": 0.0}
-    assert any("not applied: repetition_penalty 1.3" in line for line in lines)
+    assert manifest.generation == {"temperature": 0.0, "repetition_penalty": 1.3}  # greedy too
+    assert any("not applied: typical_p 0.9" in line for line in lines)
     # a generation_config.json that sets no sampling field states no preference
     silent = export_pair(checkpoints["llama_target"], checkpoints["llama_noisy"],
                          tmp_path / "pkg2", validation="skip")
@@ -62,7 +63,7 @@ def test_greedy_checkpoints_default_to_greedy_and_silent_ones_to_nothing(checkpo
 
 def test_requests_that_set_nothing_sample_with_the_packages_defaults(sampled_package):
     pipe = edgespec.load(sampled_package[0])
-    assert pipe.default_sampling == SamplingConfig(0.7, 20, 0.9)
+    assert pipe.default_sampling == SamplingConfig(0.7, 20, 0.9, repetition_penalty=1.1)
     defaults = pipe.generate(PROMPT, max_new_tokens=24, seed=5)
     explicit = pipe.generate(PROMPT, max_new_tokens=24, seed=5, temperature=0.7, top_k=20,
                              top_p=0.9)
@@ -73,7 +74,8 @@ def test_requests_that_set_nothing_sample_with_the_packages_defaults(sampled_pac
         PROMPT, max_new_tokens=24, seed=5, temperature=1.3, top_k=20, top_p=0.9).token_ids
     # a whole GenerationConfig is taken as it is: its sampling is greedy
     greedy = pipe.generate(PROMPT, GenerationConfig(max_new_tokens=24))
-    assert greedy.token_ids == pipe.generate(PROMPT, max_new_tokens=24, temperature=0).token_ids
+    assert greedy.token_ids == pipe.generate(PROMPT, max_new_tokens=24, temperature=0,
+                                             repetition_penalty=1.0).token_ids
 
 
 def test_the_command_line_uses_the_defaults_unless_told(sampled_package):
@@ -102,6 +104,9 @@ def test_the_server_fills_omitted_settings_from_the_package_then_greedy_as_the_c
         return SimpleNamespace(pipe=SimpleNamespace(manifest=SimpleNamespace(generation=generation)))
 
     body = CompletionRequest(model="m", prompt="x", top_p=0.5)
-    assert _sampling(server({}), body) == {"temperature": 0.0, "top_k": 0, "top_p": 0.5}
+    unset = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+             "frequency_penalty": 0.0}
+    assert _sampling(server({}), body) == {"temperature": 0.0, "top_k": 0, "top_p": 0.5,
+                                           **unset}
     assert _sampling(server({"temperature": 0.7, "top_k": 20, "top_p": 0.9}), body) == {
-        "temperature": 0.7, "top_k": 20, "top_p": 0.5}
+        "temperature": 0.7, "top_k": 20, "top_p": 0.5, **unset}

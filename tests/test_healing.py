@@ -195,13 +195,14 @@ def test_the_first_token_follows_the_restricted_target_distribution(pipes, setti
     assert fit_pvalue(samples, expected) > ALPHA
 
 
-def unconstrained(target, committed, allowed, sampling, uniforms, stats):
+def unconstrained(target, committed, allowed, sampling, uniforms, stats, penalties=None):
     """Wrong: the allowed set ignored (the first token drawn from the whole row)."""
     p = process_row(target.run(committed)[-1], sampling)
     return p.draw(uniforms.rows(len(committed), 1)[0, 0])
 
 
-def not_renormalised(target, committed, allowed, sampling, uniforms, stats):
+def not_renormalised(target, committed, allowed, sampling, uniforms, stats,
+                     penalties=None):
     """Wrong: drawn from the whole row, and a token outside the set replaced by the removed one
     (the prompt left as it was): allowed tokens keep p(x), the removed one gets the rest."""
     token = unconstrained(target, committed, allowed, sampling, uniforms, stats)

@@ -191,7 +191,7 @@ def spy_on_new_cache(monkeypatch, positions=None) -> list:
                                       {"draft_length": 8, "schedule": "adaptive"},
                                       {"drafter": "none"}])
 def test_generation_is_the_same_from_a_tiny_cache_that_grows(packages, monkeypatch, settings):
-    pipe = edgespec.load(packages["llama_noisy"])
+    pipe = edgespec.load(packages["llama_noisy"], prefix_cache_slots=0)  # new caches each time
     pipe.step_costs(8)  # the adaptive schedule's timing runs make caches of their own
     with monkeypatch.context() as m:
         spy_on_new_cache(m, positions=128)  # the declared context, never grown
@@ -203,7 +203,7 @@ def test_generation_is_the_same_from_a_tiny_cache_that_grows(packages, monkeypat
 
 
 def test_decoding_sizes_the_caches_to_the_request(packages, monkeypatch):
-    pipe = edgespec.load(packages["llama_noisy"])
+    pipe = edgespec.load(packages["llama_noisy"], prefix_cache_slots=0)  # new caches each time
     caches = spy_on_new_cache(monkeypatch)
     prompt = "def add(a, b):"
     pipe.generate(prompt, max_new_tokens=10, draft_length=3, schedule="fixed")

@@ -90,7 +90,7 @@ BAD_FIELDS = {
     "special token id for a string": ("special_tokens", setter("special_tokens",
                                                                {"bos_token": 0})),
     "negative default temperature": ("generation", setter("generation", {"temperature": -1})),
-    "unknown sampling default": ("generation", setter("generation", {"min_p": 0.1})),
+    "unknown sampling default": ("generation", setter("generation", {"typical_p": 0.9})),
     "top_p default of 0": ("generation", setter("generation", {"top_p": 0})),
 }
 

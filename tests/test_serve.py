@@ -65,6 +65,9 @@ def test_models_and_health(client):
     {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 7, "max_tokens": 24, "gamma": 6},
     {"temperature": 0, "max_tokens": 40, "stop": ["\n"], "schedule": "heuristic"},
     {"temperature": 0.8, "max_tokens": 24, "seed": 4, "drafter": "ngram"},
+    {"temperature": 1.0, "min_p": 0.1, "max_tokens": 24, "seed": 2},
+    {"temperature": 0, "max_tokens": 24, "repetition_penalty": 1.3, "presence_penalty": 0.5,
+     "frequency_penalty": 0.5},
 ])
 def test_a_completion_equals_generate_with_the_same_settings(client, demo, settings):
     out = complete(client, **settings).json()
@@ -133,6 +136,10 @@ BAD_COMPLETIONS = [  # body, status, param, code
     (b'{"model": "demo", "prompt": "x", "temperature": 2.5}', 400, "temperature", None),
     (b'{"model": "demo", "prompt": "x", "top_p": 0}', 400, "top_p", None),
     (b'{"model": "demo", "prompt": "x", "top_k": -1}', 400, "top_k", None),
+    (b'{"model": "demo", "prompt": "x", "min_p": 1.5}', 400, "min_p", None),
+    (b'{"model": "demo", "prompt": "x", "presence_penalty": 2.5}', 400, "presence_penalty", None),
+    (b'{"model": "demo", "prompt": "x", "repetition_penalty": 0}', 400, "repetition_penalty",
+     None),
     (b'{"model": "demo", "prompt": "x", "gamma": 65}', 400, "gamma", None),
     (b'{"model": "demo", "prompt": "x", "schedule": "fast"}', 400, "schedule", None),
     (b'{"model": "demo", "prompt": "x", "drafter": "oracle"}', 400, "drafter", None),

@@ -177,6 +177,32 @@ def test_metrics_are_prometheus_text(demo):
         assert "/no/such/path" not in client.get("/metrics").text  # no label per client path
 
 
+def test_a_server_answers_each_conversation_from_its_kept_caches(chat_package):
+    """Two conversations take turns through the chat API: each next turn starts from its own
+    kept caches (two slots), answers what a pipeline keeping none answers (greedy, a fixed
+    k that drafts), and /metrics counts the hits and the reused tokens."""
+    pipe, fresh = edgespec.load(chat_package), edgespec.load(chat_package, prefix_cache_slots=0)
+    histories, reused, drafted = {"a": [], "b": []}, [], 0
+    with client_for(build_app(pipe, ServeConfig(cache_slots=2))) as client:
+        for turn in range(2):
+            for name, history in histories.items():
+                history.append({"role": "user", "content": f"{name} says {turn}"})
+                out = client.post("/v1/chat/completions", json={
+                    "model": "chat", "messages": history, "temperature": 0, "max_tokens": 6,
+                    "gamma": 2, "schedule": "fixed"}).json()
+                expected = fresh.generate(pipe.encode_chat(history), max_new_tokens=6,
+                                          draft_length=2, schedule="fixed")
+                assert out["choices"][0]["message"]["content"] == expected.text, out
+                reused.append(out["edgespec"]["prompt_tokens_reused"])
+                drafted += out["edgespec"]["drafted"]
+                history.append({"role": "assistant", "content": expected.text})
+        samples = metric_samples(client)
+    assert reused[:2] == [0, 0] and all(n > 0 for n in reused[2:]) and drafted > 0
+    assert samples[("edgespec_prefix_cache_hits_total", ())] == 2
+    assert samples[("edgespec_prompt_tokens_reused_total", ())] == sum(reused)
+    assert samples[("edgespec_prefix_cache_bytes", ())] == pipe.prefix_cache.nbytes > 0
+
+
 def test_tokenize_and_detokenize(client, demo):
     ids = demo.encode(PROMPT)
     out = client.post("/tokenize", json={"model": "demo", "prompt": PROMPT}).json()

@@ -19,6 +19,7 @@ import edgespec
 from edgespec.config import SamplingConfig
 from edgespec.runtime import acceptance as sampler
 from edgespec.runtime import speculative
+from edgespec.runtime.penalties import Penalties
 
 @pytest.fixture(scope="module")
 def pipes(packages):
@@ -67,6 +68,25 @@ def test_draft_equal_to_target_accepts_everything_at_temperature_zero(pipes, gam
         if stats.finish_reason == "max_new_tokens":
             assert stats.tokens_per_target_call == pytest.approx(40 / stats.target_calls)
             assert stats.target_calls <= -(-40 // (gamma + 1)) + 1
+
+
+PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
+
+
+def test_a_draft_equal_to_its_target_accepts_everything_with_penalties_too(pipes, monkeypatch):
+    """The draft's rows are penalized as the target's: a draft that is the target proposes
+    the target's penalized argmax every time. Unpenalized drafts (any q is exact) would not."""
+    def acceptance():
+        stats = [pipes["llama_self"].generate(p, max_new_tokens=32, draft_length=3,
+                                              schedule="fixed", **PENALTIES).stats
+                 for p in PROMPTS]
+        return sum(s.accepted for s in stats), sum(s.drafted for s in stats)
+
+    accepted, drafted = acceptance()
+    assert drafted > 0 and accepted == drafted
+    monkeypatch.setattr(Penalties, "row", lambda self, logits, *args: logits)
+    accepted, drafted = acceptance()
+    assert accepted < drafted
 
 
 def test_a_wrong_acceptance_rule_breaks_greedy_identity(pipes, monkeypatch):
@@ -139,6 +159,47 @@ def test_speculative_sampling_matches_the_target_distribution(words):
     samples, drafted, accepted = two_token_samples(words, T1, 3000, PROMPT)
     assert drafted >= 2 * 3000 and accepted < 0.9 * drafted  # the draft is far from the target
     assert fit_pvalue(samples, expected) > ALPHA
+
+
+def test_min_p_sampling_matches_the_target_distribution(words):
+    """llama.cpp's min-p through the loop and the real sessions: draft rows cut as the
+    target's, the first two tokens follow the target's cut distribution."""
+    min_p = SamplingConfig(temperature=1.0, min_p=0.15)
+    expected = exact_two_token_distribution(words, min_p, PROMPT)
+    assert len(expected) < len(exact_two_token_distribution(words, T1, PROMPT))  # it cuts
+    samples, drafted, _ = two_token_samples(words, min_p, 2000, PROMPT)
+    assert drafted >= 2 * 2000
+    assert fit_pvalue(samples, expected) > ALPHA
+
+
+def test_penalized_sampling_matches_the_target_distribution(words):
+    """Repetition, presence and frequency penalties: the second token's row is penalized for
+    the first, in the round that drafted it as in the exact distribution."""
+    penalized = SamplingConfig(temperature=1.0, repetition_penalty=1.6, presence_penalty=0.7,
+                               frequency_penalty=0.5)
+    expected = exact_two_token_distribution(words, penalized, PROMPT)
+    assert max(abs(expected[t] - p) for t, p in
+               exact_two_token_distribution(words, T1, PROMPT).items()) > 0.01  # it changes p
+    samples, drafted, _ = two_token_samples(words, penalized, 2000, PROMPT)
+    assert drafted >= 2 * 2000
+    assert fit_pvalue(samples, expected) > ALPHA
+
+
+@pytest.mark.parametrize("pair", ["llama_noisy", "gpt2"])
+def test_greedy_with_penalties_equals_target_only(pipes, pair):
+    pipe = pipes[pair]
+    penalties = PENALTIES
+    changed = 0
+    for prompt in PROMPTS:
+        baseline = pipe.generate(prompt, max_new_tokens=32, drafter="none", **penalties)
+        changed += baseline.token_ids != pipe.generate(prompt, max_new_tokens=32,
+                                                       drafter="none").token_ids
+        for k in (1, 3):
+            result = pipe.generate(prompt, max_new_tokens=32, draft_length=k, schedule="fixed",
+                                   **penalties)
+            assert result.token_ids == baseline.token_ids, (prompt, k)
+            assert result.stats.drafted > 0
+    assert changed  # the penalties bite
 
 
 def test_target_only_sampling_matches_the_same_distribution(words):

@@ -49,6 +49,19 @@ REPLY_ROOM = 512
               help="0 is greedy. [default: the package's, else 0]")
 @click.option("--top-k", type=int, help="0 keeps all tokens. [default: the package's, else 0]")
 @click.option("--top-p", type=float, help="1 keeps all tokens. [default: the package's, else 1]")
+@click.option("--min-p", type=float,
+              help="Keep tokens at least this likely relative to the likeliest (llama.cpp's "
+                   "min-p, at temperature 1); 0 keeps all. [default: the package's, else 0]")
+@click.option("--repetition-penalty", type=float,
+              help="Divide the positive logits of tokens already in the text by this, multiply "
+                   "the negative ones (transformers'); 1 is none. [default: the package's, "
+                   "else 1]")
+@click.option("--presence-penalty", type=float,
+              help="Subtract this from the logits of tokens generated at least once "
+                   "(OpenAI's, -2..2). [default: 0]")
+@click.option("--frequency-penalty", type=float,
+              help="Subtract this times its count from each generated token's logit "
+                   "(OpenAI's, -2..2). [default: 0]")
 @click.option("--seed", type=int, default=None, help="Seed for sampling.")
 @click.option("--gamma", "-k", default=_DEFAULTS.draft_length, show_default=True,
               help="Draft length k: every round's (fixed), the first (heuristic), the most "
@@ -62,12 +75,16 @@ REPLY_ROOM = 512
 @click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDERS))
 @user_errors
 def chat(package: Path | None, system: str | None, max_new_tokens: int | None,
-         temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
+         temperature: float | None, top_k: int | None, top_p: float | None,
+         min_p: float | None, repetition_penalty: float | None,
+         presence_penalty: float | None, frequency_penalty: float | None, seed: int | None,
          gamma: int, schedule: str, drafter: str, provider: str) -> None:
     """Chat with the model in PACKAGE through its chat template (default: the demo pair,
     which has none). At a terminal: /help lists the commands, Ctrl-C stops a reply. Piped:
     each line is a message, each reply goes to stdout, ended by a newline."""
-    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+             "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
+             "frequency_penalty": frequency_penalty}
     # settings refused now, before the slow load (gamma by the option's name)
     check_draft_length("gamma", gamma)
     config = GenerationConfig(sampling=resolve_sampling(given, {}), draft_length=gamma,

@@ -109,6 +109,19 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
               help="0 is greedy. [default: the package's, else 0]")
 @click.option("--top-k", type=int, help="0 keeps all tokens. [default: the package's, else 0]")
 @click.option("--top-p", type=float, help="1 keeps all tokens. [default: the package's, else 1]")
+@click.option("--min-p", type=float,
+              help="Keep tokens at least this likely relative to the likeliest (llama.cpp's "
+                   "min-p, at temperature 1); 0 keeps all. [default: the package's, else 0]")
+@click.option("--repetition-penalty", type=float,
+              help="Divide the positive logits of tokens already in the text by this, multiply "
+                   "the negative ones (transformers'); 1 is none. [default: the package's, "
+                   "else 1]")
+@click.option("--presence-penalty", type=float,
+              help="Subtract this from the logits of tokens generated at least once "
+                   "(OpenAI's, -2..2). [default: 0]")
+@click.option("--frequency-penalty", type=float,
+              help="Subtract this times its count from each generated token's logit "
+                   "(OpenAI's, -2..2). [default: 0]")
 @click.option("--gamma", "-k", default=_DEFAULTS.gamma, show_default=True,
               help="Draft length k: every round's (fixed), the first (heuristic), "
                    "the most (adaptive, up to 16).")
@@ -144,7 +157,10 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
 @click.option("--system", help="With --chat: a system message before PROMPT.")
 @user_errors
 def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | None,
-             top_k: int | None, top_p: float | None, gamma: int, schedule: str,
+             top_k: int | None, top_p: float | None, min_p: float | None,
+             repetition_penalty: float | None, presence_penalty: float | None,
+             frequency_penalty: float | None, gamma: int,
+             schedule: str,
              seed: int | None, stop: tuple[str, ...], drafter: str, ngram_max: int,
              ngram_min: int, no_draft: bool, ignore_eos: bool, token_healing: bool,
              provider: str, draft_provider: str | None, as_json: bool, as_chat: bool,
@@ -168,7 +184,9 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
 
     # sampling settings given here override the package's defaults (its generation_config.json),
     # known only once it is loaded (config.resolve_sampling); checked now, before the slow load
-    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+             "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
+             "frequency_penalty": frequency_penalty}
     check_draft_length("gamma", gamma)  # an error names the option, not the config's field
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -186,8 +204,9 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
     package = check_chat_template(package) if as_chat else resolve_package(package)
     pipe = load(package, provider=provider, draft_provider=draft_provider)
     config = replace(config, sampling=resolve_sampling(given, pipe.manifest.generation))
-    if config.sampling.greedy and (top_k is not None or top_p is not None):
-        click.echo("warning: --top-k and --top-p do nothing at temperature 0 (greedy); "
+    if config.sampling.greedy and (top_k is not None or top_p is not None or
+                                   min_p is not None):
+        click.echo("warning: --top-k, --top-p and --min-p do nothing at temperature 0 (greedy); "
                    "give --temperature to sample", err=True)
     if not as_chat and pipe.manifest.chat_template is not None:
         click.echo("note: this package is a chat model: PROMPT is continued as plain text; "

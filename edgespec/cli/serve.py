@@ -52,6 +52,14 @@ _SERVE = ServeConfig()  # the server's defaults (edgespec/serve/config.py, no he
 @click.option("--limit-concurrency", default=_SERVE.limit_concurrency, show_default=True,
               type=click.IntRange(1),
               help="Connections at once; more are answered 503 with Retry-After.")
+@click.option("--cache-slots", default=_SERVE.cache_slots, show_default=True,
+              type=click.IntRange(0),
+              help="Generations whose KV caches are kept, for a request to start from the "
+                   "longest token prefix it shares with one (a chat's next turn prefills only "
+                   "its new message); 0 keeps none.")
+@click.option("--cache-mb", default=_SERVE.cache_mb, show_default=True, type=click.IntRange(0),
+              help="The most memory (MiB) the kept caches may hold; the least recently used "
+                   "go first.")
 @click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDERS))
 @click.option("--draft-provider", type=click.Choice(PROVIDERS),
               help="Where the draft runs, if not where the target does.")
@@ -86,7 +94,8 @@ _SERVE = ServeConfig()  # the server's defaults (edgespec/serve/config.py, no he
 def serve(package: Path | None, host: str, port: int, model_name: str | None,
           api_key: str | None, allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...],
           queue: int, max_tokens: int, request_timeout: float, max_body: int,
-          read_timeout: float, keep_alive: float, limit_concurrency: int, provider: str,
+          read_timeout: float, keep_alive: float, limit_concurrency: int, cache_slots: int,
+          cache_mb: int, provider: str,
           draft_provider: str | None, replicas: int | None, ray_address: str | None,
           replica_cpus: float, autoscale: str | None, upscale_delay: float,
           downscale_delay: float, drain_timeout: float) -> None:
@@ -99,6 +108,7 @@ def serve(package: Path | None, host: str, port: int, model_name: str | None,
         model=model_name, queue=queue, max_body=max_body, max_tokens=max_tokens,
         request_timeout_s=request_timeout, read_timeout_s=read_timeout,
         keep_alive_s=keep_alive, limit_concurrency=limit_concurrency,
+        cache_slots=cache_slots, cache_mb=cache_mb,
         allowed_hosts=hosts_for(host, _listed(allowed_hosts)),
         allowed_origins=_listed(allowed_origins),
         api_key=None if api_key is None else api_key.strip())

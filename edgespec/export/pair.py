@@ -16,9 +16,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from edgespec.errors import ExportError, IncompatiblePairError
 
 
-# generation_config.json settings edgespec's sampler does not apply (yet): named at export
+# generation_config.json settings edgespec's sampler does not apply (yet): named at export.
+# min_p among them: transformers cuts after temperature, edgespec's min_p is llama.cpp's.
 SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p"}
-UNSUPPORTED_GENERATION = ("repetition_penalty", "min_p", "typical_p", "no_repeat_ngram_size")
+UNSUPPORTED_GENERATION = ("min_p", "typical_p", "no_repeat_ngram_size")
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class Checkpoint:
         settings it names that edgespec does not apply.
 
         transformers samples only with ``do_sample``; then temperature, top_k (50 unless set)
-        and top_p apply. Without do_sample it decodes greedily: temperature 0 here.
+        and top_p apply. Without do_sample it decodes greedily: temperature 0 here. A
+        repetition_penalty other than 1 applies either way, as transformers applies it.
         """
         try:
             config = GenerationConfig.from_pretrained(self.path)
@@ -60,14 +62,16 @@ class Checkpoint:
             return {}, []
         ignored = [f"{name} {getattr(config, name)}" for name in UNSUPPORTED_GENERATION
                    if getattr(config, name, None) not in (None, 1.0, 0, 0.0, False)]
+        penalty = getattr(config, "repetition_penalty", None)
+        penalized = {} if penalty in (None, 1.0) else {"repetition_penalty": float(penalty)}
         if not SAMPLING_KEYS & written:  # transformers' defaults, not the author's choice
-            return {}, ignored
+            return penalized, ignored
         if not config.do_sample:
-            return {"temperature": 0.0}, ignored
+            return {"temperature": 0.0, **penalized}, ignored
         temperature = config.temperature if config.temperature is not None else 1.0
         defaults = {"temperature": float(temperature), "top_k": int(config.top_k or 0),
                     "top_p": float(config.top_p or 1.0)}
-        return defaults, ignored
+        return {**defaults, **penalized}, ignored
 
     @property
     def eos_token_ids(self) -> list[int]:

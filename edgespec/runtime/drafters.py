@@ -41,6 +41,7 @@ import numpy as np
 from edgespec.config import NO_DRAFTER, GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError
 from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
+from edgespec.runtime.penalties import Penalties
 from edgespec.runtime.sampling import Dist, point_mass, process_row
 from edgespec.runtime.session import ModelSession
 from edgespec.runtime.stats import GenerationStats
@@ -55,6 +56,7 @@ class Drafter:
     """
 
     name: str
+    stats: GenerationStats | None = None  # what its work is timed into: one generation's
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -68,13 +70,25 @@ class Drafter:
         return self.name != NO_DRAFTER
 
     def prefill(self, prompt: list[int]) -> None:
-        """Take in the prompt before the first round (the model: all but its last token)."""
+        """Take in the prompt before the first round (the model: all but its last token), from
+        where its state ends: a kept drafter (prefix_cache.py) covers a prefix of it already."""
 
-    def next_row(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig
-                 ) -> Dist | None:
+    def count_into(self, stats: GenerationStats) -> None:
+        """Time its work into ``stats`` from now on: a kept drafter goes on with the next
+        generation (prefix_cache.py)."""
+        self.stats = stats
+
+    @property
+    def nbytes(self) -> int:
+        """Memory its state holds (a kept drafter counts against prefix_cache.py's cap)."""
+        return 0
+
+    def next_row(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig,
+                 penalties: Penalties | None = None) -> Dist | None:
         """The proposal q for the token after ``committed + drafted`` (the two apart so that no
         round copies the whole text): a row, a point mass, or None. Runs the drafter, whose
-        state then covers those tokens (``rollback`` takes it back)."""
+        state then covers those tokens (``rollback`` takes it back). ``penalties``: the
+        request's (penalties.py), which a model's rows take as the target's do."""
         return None
 
     def rollback(self, length: int) -> None:
@@ -85,7 +99,8 @@ class Drafter:
         target paired with an EAGLE-3 head (only a head reads them)."""
 
     def propose(
-        self, committed: list[int], k: int, sampling: SamplingConfig, u: np.ndarray | None
+        self, committed: list[int], k: int, sampling: SamplingConfig, u: np.ndarray | None,
+        penalties: Penalties | None = None,
     ) -> tuple[list[int], list[Dist]]:
         """Up to k draft tokens after ``committed`` and the rows they were drawn from.
 
@@ -95,7 +110,7 @@ class Drafter:
         """
         tokens, rows = [], []
         for i in range(k):
-            q = self.next_row(committed, tokens, sampling)
+            q = self.next_row(committed, tokens, sampling, penalties)
             if q is None:
                 break
             rows.append(q)
@@ -123,15 +138,21 @@ class ModelDrafter(Drafter):
         self.cache: KVCache | InPlaceKVCache = session.new_cache(positions)
 
     def prefill(self, prompt: list[int]) -> None:
-        if len(prompt) > 1:
-            self.session.forward(np.array(prompt[:-1]), self.cache)
+        if len(prompt) - 1 > self.cache.length:
+            self.session.forward(np.array(prompt[self.cache.length : -1]), self.cache)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
 
     def next_row(self, committed: list[int], drafted: Sequence[int],
-                 sampling: SamplingConfig) -> Dist:
+                 sampling: SamplingConfig, penalties: Penalties | None = None) -> Dist:
         start = time.perf_counter()
         fed = np.array(tokens_from(committed, drafted, self.cache.length))
         logits = self.session.forward(fed, self.cache)[-1]  # [V], or [N] for a subset draft
         middle = time.perf_counter()
+        if penalties is not None:
+            logits = penalties.row(logits, committed, drafted, self.session.token_ids)
         q = process_row(logits, sampling)
         if self.session.token_ids is not None:  # column j is token token_ids[j]; q = 0 elsewhere
             q = q.relabel(self.session.token_ids)
@@ -171,6 +192,10 @@ class Eagle3Drafter(Drafter):
         self.true_rows = 0  # head rows in the cache computed from target features
         self.hidden = None  # the last row run: (its index, its hidden_out [h])
 
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes + self.features.nbytes
+
     def target_features(self, start: int, rows: np.ndarray) -> None:
         if start > self.known:
             raise CacheError(f"target features from position {start}, but only {self.known} "
@@ -185,7 +210,7 @@ class Eagle3Drafter(Drafter):
         self.known = end
 
     def next_row(self, committed: list[int], drafted: Sequence[int],
-                 sampling: SamplingConfig) -> Dist | None:
+                 sampling: SamplingConfig, penalties: Penalties | None = None) -> Dist | None:
         n = len(committed) + len(drafted)  # the position proposed: row n - 2 scores it
         row = n - 2
         if row < 0:
@@ -208,7 +233,10 @@ class Eagle3Drafter(Drafter):
         logits, hidden = self.session.forward_rows(np.array(tokens), self.cache, features)
         self.hidden = (row, hidden[-1].copy())  # not a view of a buffer the next run may reuse
         middle = time.perf_counter()
-        q = process_row(logits[-1], sampling).relabel(self.session.token_ids)
+        row = logits[-1]  # [N]: the draft vocabulary's columns
+        if penalties is not None:
+            row = penalties.row(row, committed, drafted, self.session.token_ids)
+        q = process_row(row, sampling).relabel(self.session.token_ids)
         self.stats.draft_s += middle - start
         self.stats.sampling_s += time.perf_counter() - middle
         self.stats.draft_calls += 1
@@ -279,10 +307,10 @@ class NgramDrafter(Drafter):
         self.index, self.stats = NgramIndex(min_n, max_n), stats
 
     def prefill(self, prompt: list[int]) -> None:
-        self.index.extend(prompt)
+        self.index.extend(prompt[len(self.index.tokens) :])
 
-    def next_row(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig
-                 ) -> Dist | None:
+    def next_row(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig,
+                 penalties: Penalties | None = None) -> Dist | None:
         start = time.perf_counter()
         index = self.index
         known = len(index.tokens)
@@ -306,6 +334,12 @@ def tokens_from(committed: list[int], drafted: Sequence[int], start: int) -> lis
     if start <= len(committed):
         return [*committed[start:], *drafted]
     return list(drafted[start - len(committed) :])
+
+
+def drafter_key(name: str, config: GenerationConfig) -> tuple:
+    """What a drafter's state depends on besides the text: its name (``resolve_drafter``'s),
+    and the n-gram lookup's n. A kept drafter goes on only with a request of the same key."""
+    return (name, config.ngram_min, config.ngram_max) if name == "ngram" else (name,)
 
 
 def resolve_drafter(config: GenerationConfig, has_draft: bool) -> str:

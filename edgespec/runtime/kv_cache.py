@@ -34,6 +34,11 @@ class KVCache:
         """Number of token positions the cache covers."""
         return self._arrays[0].shape[2]
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the arrays hold (a kept cache counts against prefix_cache.py's cap)."""
+        return sum(a.nbytes for a in self._arrays)
+
     def feeds(self) -> dict[str, np.ndarray]:
         """The past_key_values inputs for the next run."""
         return dict(zip(self.names, self._arrays))
@@ -91,6 +96,12 @@ class InPlaceKVCache:
     @property
     def length(self) -> int:
         return self._length
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the buffers hold, all ``capacity`` positions of them."""
+        itemsize = np.dtype(self.dtype).itemsize
+        return len(self.buffers) * self.kv_heads * self.capacity * self.head_dim * itemsize
 
     def reserve(self, added: int) -> None:
         """Make room for ``added`` more positions, growing the buffers if needed.

@@ -20,7 +20,7 @@ from edgespec.errors import ConfigError, GenerationError
 from edgespec.manifest import Manifest
 from edgespec.runtime import calibration
 from edgespec.runtime.chat import chat_prompt_ids, load_chat_template
-from edgespec.runtime.drafters import make_drafter, resolve_drafter
+from edgespec.runtime.drafters import drafter_key, make_drafter, resolve_drafter
 from edgespec.runtime.healing import Healing, PrefixIndex, heal
 from edgespec.runtime.inputs import check_ids, check_text, load_tokenizer
 from edgespec.runtime.schedule import (
@@ -31,6 +31,7 @@ from edgespec.runtime.schedule import (
     StepCosts,
     calibrate,
 )
+from edgespec.runtime.prefix_cache import KeptCaches, PrefixCache
 from edgespec.runtime.providers import SessionConfig, default_session_configs
 from edgespec.runtime.session import ModelSession, read_token_ids
 from edgespec.runtime.speculative import decode, request_positions
@@ -101,8 +102,12 @@ class Pipeline:
         provider: str = "auto",
         draft_provider: str | None = None,
         calibration_cache: bool = True,
+        prefix_cache_slots: int = 1,
+        prefix_cache_bytes: int | None = None,
     ):
         self.path = Path(path)
+        # the caches of the last generations, which the next starts from (prefix_cache.py)
+        self.prefix_cache = PrefixCache(prefix_cache_slots, prefix_cache_bytes)
         self.calibration_cache = calibration_cache
         self.manifest = Manifest.read(self.path)
         self.tokenizer = load_tokenizer(self.path, self.manifest)  # before the slow sessions
@@ -214,20 +219,30 @@ class Pipeline:
             eos = set() if config.ignore_eos else set(self.manifest.eos_token_ids)
             schedule = self._schedule(config, drafter, stats)  # adaptive may measure costs first
             ids = healing.prompt if healing else prompt_ids
-            proposer = make_drafter(drafter, self.draft, config, stats,
-                                    request_positions(len(ids), config))
-            rounds = decode(self.target, proposer, ids, config, schedule, limit, eos, stats,
-                            first_allowed=healing.allowed if healing else None)
+            kept = self._caches(ids, drafter, config, stats)
+            rounds = decode(self.target, kept.drafter, ids, config, schedule, limit, eos, stats,
+                            first_allowed=healing.allowed if healing else None,
+                            cache=kept.target)
+            committed = list(ids)  # between rounds the caches hold all of it but the last token
+
+            def keep() -> None:  # only there: a failed round's caches are never kept
+                kept.text = committed
+                self.prefix_cache.put(kept)
+
             for new in rounds:
+                committed += new
                 if cancelled.is_set():  # checked every round, whether or not it made text
                     stats.finish_reason = "cancelled"
+                    keep()
                     return
                 if piece := text.add(new):
                     yield piece
                 if text.stopped:  # the round's tokens after the stop string are not returned
                     stats.new_tokens = len(text.tokens)
                     stats.finish_reason = "stop_string"
+                    keep()
                     return
+            keep()
             tail = text.finish()
             if text.stopped:
                 stats.finish_reason = "stop_string"
@@ -236,6 +251,20 @@ class Pipeline:
 
         return TextStream(pieces(), lambda out: GenerationResult(
             out, text.tokens if text else [], stats), cancelled)
+
+    def _caches(self, ids: list[int], drafter: str, config: GenerationConfig,
+                stats: GenerationStats) -> KeptCaches:
+        """The target cache and drafter a generation from ``ids`` starts with: the kept ones
+        sharing the longest prefix with ``ids``, cropped to it (``stats.prompt_tokens_reused``
+        says how many positions), else new ones."""
+        key = drafter_key(drafter, config)
+        kept, stats.prompt_tokens_reused = self.prefix_cache.take(ids, key)
+        if kept is None:
+            positions = request_positions(len(ids), config)
+            return KeptCaches([], self.target.new_cache(positions),
+                              make_drafter(drafter, self.draft, config, stats, positions), key)
+        kept.drafter.count_into(stats)
+        return kept
 
     def _schedule(self, config: GenerationConfig, drafter: str,
                   stats: GenerationStats) -> Schedule:
@@ -291,10 +320,13 @@ class Pipeline:
 
         ``config`` gives every setting at once; keyword settings override its fields:
         max_new_tokens, draft_length, schedule, drafter, ngram_min, ngram_max, seed, stop,
-        ignore_eos, token_healing, temperature, top_k, top_p (and, deprecated, gamma for
-        draft_length and use_draft=False for drafter="none"). Without ``config``, sampling
+        ignore_eos, token_healing, temperature, top_k, top_p, min_p, repetition_penalty,
+        presence_penalty, frequency_penalty (and, deprecated, gamma for draft_length and
+        use_draft=False for drafter="none"). Without ``config``, sampling
         starts from the package's defaults (``default_sampling``: its target's
-        generation_config.json, else greedy) and keyword settings override them.
+        generation_config.json, else greedy) and keyword settings override them. The
+        generation starts from the kept caches of an earlier one that share a prefix with the
+        prompt (``prefix_cache``, runtime/prefix_cache.py): the same output, less prefill.
         """
         stream = self.stream(prompt, config, **settings)
         for _ in stream:
@@ -359,6 +391,8 @@ def load(
     target: SessionConfig | None = None,
     draft: SessionConfig | None = None,
     calibration_cache: bool = True,
+    prefix_cache_slots: int = 1,
+    prefix_cache_bytes: int | None = None,
 ) -> Pipeline:
     """Load an exported package (``path`` None: the bundled demo pair; a named model's name,
     ``edgespec models list``, its built package).
@@ -368,6 +402,9 @@ def load(
     target / draft: full SessionConfig per model, overriding the defaults.
     calibration_cache: read the adaptive schedule's step costs from, and store them in, the
         user's cache folder (runtime/calibration.py); False measures them in this process.
+    prefix_cache_slots, prefix_cache_bytes: how many generations' KV caches are kept, and
+        how much memory they may hold (None: no cap), for the next generation to start from
+        the longest prefix it shares with one (runtime/prefix_cache.py); 0 slots keeps none.
     """
     if path is None:
         from edgespec.models import demo_package
@@ -377,4 +414,5 @@ def load(
         from edgespec.models.named import package_path
 
         path = package_path(path)
-    return Pipeline(path, target, draft, provider, draft_provider, calibration_cache)
+    return Pipeline(path, target, draft, provider, draft_provider, calibration_cache,
+                    prefix_cache_slots, prefix_cache_bytes)

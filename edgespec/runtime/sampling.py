@@ -18,6 +18,7 @@ The functions are pure: arrays in, a ``Dist`` or a token out.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,7 +104,7 @@ def process_row(logits: np.ndarray, sampling: SamplingConfig) -> Dist:
     """
     if sampling.greedy:
         return point_mass(int(np.argmax(logits)))
-    x = np.asarray(logits, dtype=np.float32)  # [V]; no copy for onnxruntime's float32
+    row = x = np.asarray(logits, dtype=np.float32)  # [V]; no copy for onnxruntime's float32
     top = x.max()
     ids = None
     if 0 < sampling.top_k < len(x):
@@ -112,7 +113,19 @@ def process_row(logits: np.ndarray, sampling: SamplingConfig) -> Dist:
     weights = _scaled_exp(x, top, sampling.temperature)  # [V] or [m], max 1
     if sampling.top_p < 1.0:
         ids, weights = _nucleus(ids, x, weights, sampling.top_p)
+    if sampling.min_p > 0:
+        ids, weights = _min_p(ids, row, weights, float(top) + math.log(sampling.min_p))
     return Dist(ids, weights, float(weights.sum()))
+
+
+def _min_p(ids: np.ndarray | None, row: np.ndarray, weights: np.ndarray, cut: float
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Of the tokens ``ids`` (None: all) and their ``weights``, those whose logit in ``row``
+    ``[V]`` is at least ``cut`` (max + ln(min_p), compared in float64 as the reference does):
+    p_1(x) >= min_p * p_1(argmax) at temperature 1. The likeliest token always stays."""
+    logits = row if ids is None else row[ids]
+    keep = logits.astype(np.float64) >= cut
+    return (np.flatnonzero(keep) if ids is None else ids[keep]), weights[keep]
 
 
 def _scaled_exp(x: np.ndarray, top: float, temperature: float) -> np.ndarray:

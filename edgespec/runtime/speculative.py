@@ -18,6 +18,7 @@ import numpy as np
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.runtime.drafters import Drafter
 from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
+from edgespec.runtime.penalties import Penalties
 from edgespec.runtime.sampling import process_row
 from edgespec.runtime.acceptance import (
     PositionUniforms,
@@ -91,6 +92,7 @@ def speculative_round(
     sampling: SamplingConfig,
     uniforms: PositionUniforms,
     stats: GenerationStats,
+    penalties: Penalties | None = None,
 ) -> Round:
     """One round of speculative sampling (Leviathan et al. 2023, Algorithm 1), keyed by position.
 
@@ -104,17 +106,22 @@ def speculative_round(
     alone (k = 0 does not ask the drafter). Greedy reads no uniforms.
     Returns what happened (the 1..k+1 tokens to commit, drafted, accepted); the target's cache
     ends covering the new ``committed[:-1]``, the drafter's state a prefix of it. ``stats``
-    only receives the sampling time (the sessions time their own runs).
+    only receives the sampling time (the sessions time their own runs). ``penalties``: the
+    repetition penalties of the request (penalties.py), None: none.
     """
     greedy = sampling.greedy
     u = None if greedy else uniforms.rows(len(committed), k + 1)  # [k+1, 3]
 
     # 1. the drafter proposes up to k tokens with their rows q (fewer if a lookup runs out)
-    draft_tokens, q_rows = drafter.propose(committed, k, sampling, u)
+    draft_tokens, q_rows = drafter.propose(committed, k, sampling, u, penalties)
     k = len(draft_tokens)
 
     # 2. target scores the last committed token and the k drafts in one run   logits: [k+1, V]
+    #    row i penalized for the text before its token, committed + drafts[:i] (penalties.py)
     logits = target.run(committed, draft_tokens)[-(k + 1) :]
+    if penalties is not None:
+        with _timed(stats, "sampling_s"):
+            logits = penalties.rows(logits, committed, draft_tokens)
 
     # 3. target rows one at a time, up to the first rejection. Greedy: accept while the argmax
     #    matches, then the argmax (all k matched: the bonus argmax of row k). Sampling: accept
@@ -131,7 +138,7 @@ def speculative_round(
     #    x = F_q_k^-1(u[k, 0]) tested against p_k (row k) as in step 3; no proposal, or k = 0
     #    (drafting off: a plain target step, the drafter not asked): F_p_k^-1(u[k, 0])
     if next_token is None:
-        q = drafter.next_row(committed, draft_tokens, sampling) if k else None
+        q = drafter.next_row(committed, draft_tokens, sampling, penalties) if k else None
         with _timed(stats, "sampling_s"):
             p = process_row(logits[k], sampling)
             next_token = p.draw(u[k, 0]) if q is None else position_token(p, q, u[k])
@@ -151,6 +158,7 @@ def constrained_step(
     sampling: SamplingConfig,
     uniforms: PositionUniforms,
     stats: GenerationStats,
+    penalties: Penalties | None = None,
 ) -> int:
     """One target step whose token is drawn from p restricted to ``allowed`` (token healing).
 
@@ -159,10 +167,12 @@ def constrained_step(
     greedy the argmax over ``allowed``, sampling F_p^-1(u[n, 0]), as target-only decoding
     draws every position. No drafter takes part, so this position is drawn the same way, from
     the same row and uniform, with or without one. The cache keeps its invariant: it ends
-    covering ``committed``, i.e. the new ``committed[:-1]``.
+    covering ``committed``, i.e. the new ``committed[:-1]``. ``penalties``: as for a round,
+    applied before the restriction.
     """
-    logits = target.run(committed)[-1]  # [V]
+    logits = target.run(committed)[-1:]  # [1, V]
     with _timed(stats, "sampling_s"):
+        logits = (logits if penalties is None else penalties.rows(logits, committed))[0]  # [V]
         masked = np.full_like(logits, -np.inf)  # [V]
         masked[allowed] = logits[allowed]
         p = process_row(masked, sampling)
@@ -187,6 +197,7 @@ def decode(
     eos_token_ids: set[int],
     stats: GenerationStats,
     first_allowed: np.ndarray | None = None,
+    cache: KVCache | InPlaceKVCache | None = None,
 ) -> Iterator[list[int]]:
     """Yield the tokens each round commits, until EOS, ``max_new_tokens`` or the context ends.
 
@@ -196,15 +207,22 @@ def decode(
     says why it stopped. ``first_allowed``: the ids the first generated token may take (token
     healing: ``prompt`` is then the user's backed off its last token, healing.py); it is drawn
     by one ``constrained_step`` before any drafting, and counts as a generated token.
+    ``cache``: the target's cache to decode in, covering a prefix of ``prompt[:-1]`` already
+    (a kept one, cropped to what it shares with the prompt: prefix_cache.py; ``drafter`` then
+    covers a prefix of it too), None: a new one. Between rounds, the caches and the prompt
+    with every list yielded so far agree (the cache invariant), which is what keeping them
+    for the next generation needs.
     """
     uniforms = PositionUniforms(config.seed, first=len(prompt))  # u[n] for generated token n
+    penalties = Penalties(config.sampling, len(prompt))
     started = time.perf_counter()
     committed = list(prompt)
     stats.prompt_tokens = len(prompt)
 
-    # 1. prefill: every prompt token but the last, so the cache invariant holds from round one
+    # 1. prefill: every prompt token but the last that the cache lacks, so the cache invariant
+    #    holds from round one
     target_runner = _prefill(target, drafter, committed, request_positions(len(prompt), config),
-                             stats)
+                             stats, cache)
 
     # 2. token healing: the first token from the target's row restricted to the allowed ids,
     #    drawn alike in target-only and speculative decoding and never drafted, so it is exact
@@ -212,7 +230,7 @@ def decode(
     #    step: counted as a k = 0 round, not shown the schedule.
     if first_allowed is not None:
         new = [constrained_step(target_runner, committed, first_allowed, config.sampling,
-                                uniforms, stats)]
+                                uniforms, stats, penalties)]
         if drafter.drafts:
             stats.draft_lengths[0] = stats.draft_lengths.get(0, 0) + 1
         new = _commit(new, 1, committed, target_runner, drafter, eos_token_ids, stats, started)
@@ -224,7 +242,7 @@ def decode(
     while not stats.finish_reason:
         room = min(config.max_new_tokens - stats.new_tokens, max_positions - len(committed))
         new = _scheduled_round(target_runner, drafter, committed, room, config, schedule,
-                               uniforms, stats)
+                               uniforms, stats, penalties)
         new = _commit(new, room, committed, target_runner, drafter, eos_token_ids, stats,
                       started)
         yield new
@@ -233,13 +251,22 @@ def decode(
 
 
 def _prefill(target: ModelSession, drafter: Drafter, prompt: list[int], positions: int,
-             stats: GenerationStats) -> TargetRunner:
+             stats: GenerationStats, cache: KVCache | InPlaceKVCache | None = None
+             ) -> TargetRunner:
     """The target's runner with ``prompt[:-1]`` in its cache, the drafter given the prompt;
-    timed as a whole into ``stats.prefill_s``, the runner timing its own runs from then on."""
-    target_runner = TargetRunner.start(target, positions)
+    timed as a whole into ``stats.prefill_s``, the runner timing its own runs from then on.
+    ``cache``: one covering a prefix of ``prompt[:-1]`` (only the rest is run), None: a new
+    one with room for ``positions``; one covering the prompt's last token is refused."""
+    if cache is None:
+        target_runner = TargetRunner.start(target, positions)
+    elif cache.length > len(prompt) - 1:
+        raise CacheError(f"a cache of {cache.length} positions cannot start a prompt of "
+                         f"{len(prompt)} tokens: it must cover every token but the last")
+    else:
+        target_runner = TargetRunner(target, cache)
     target_runner.drafter = drafter
     with _timed(stats, "prefill_s"):
-        if len(prompt) > 1:
+        if len(prompt) - 1 > target_runner.cache.length:
             target_runner.run(prompt[:-1])
         drafter.prefill(prompt)
     target_runner.stats = stats
@@ -248,7 +275,7 @@ def _prefill(target: ModelSession, drafter: Drafter, prompt: list[int], position
 
 def _scheduled_round(target: TargetRunner, drafter: Drafter, committed: list[int], room: int,
                      config: GenerationConfig, schedule: Schedule, uniforms: PositionUniforms,
-                     stats: GenerationStats) -> list[int]:
+                     stats: GenerationStats, penalties: Penalties) -> list[int]:
     """One round with the k the schedule picks, recorded in the stats and shown the schedule.
 
     A round commits up to k + 1 tokens: drafting more than the request or the window has room
@@ -258,7 +285,8 @@ def _scheduled_round(target: TargetRunner, drafter: Drafter, committed: list[int
     """
     wanted = schedule.next_k() if drafter.drafts else 0
     k = min(wanted, max(room - 1, 1))
-    done = speculative_round(target, drafter, committed, k, config.sampling, uniforms, stats)
+    done = speculative_round(target, drafter, committed, k, config.sampling, uniforms, stats,
+                             penalties)
     if done.drafted:
         stats.record_round(done.drafted, done.accepted)
     if drafter.drafts:
@@ -272,18 +300,18 @@ def _commit(new: list[int], room: int, committed: list[int], target: TargetRunne
             started: float) -> list[int]:
     """Append a step's tokens to ``committed``, at most ``room`` of them and up to and with an
     EOS, and count them; returns them. Checks the cache invariant first (the target's cache
-    covers every committed token but the last), and crops both caches back to it when the
-    last round's surplus is dropped."""
+    covers every committed token but the last), and crops both caches back to it when tokens
+    are dropped (the last round's surplus, what came after an EOS), so that it holds when
+    decoding ends too: the next generation may start from these caches (prefix_cache.py)."""
     if target.cache.length != len(committed) + len(new) - 1:
         raise CacheError(f"the target's cache covers {target.cache.length} tokens, "
                          f"not the {len(committed) + len(new) - 1} committed before the last")
-    if len(new) > room:  # the last round's surplus token: dropped, and the caches with it
-        new = new[:room]
-        target.cache.crop(len(committed) + room - 1)
-        drafter.rollback(len(committed) + room - 1)
     ends_at_eos = next((i for i, t in enumerate(new) if t in eos_token_ids), None)
-    if ends_at_eos is not None:
-        new = new[: ends_at_eos + 1]
+    end = min(room, len(new) if ends_at_eos is None else ends_at_eos + 1)
+    if end < len(new):  # dropped, and the caches with them
+        new = new[:end]
+        target.cache.crop(len(committed) + end - 1)
+        drafter.rollback(len(committed) + end - 1)
     committed += new
     stats.new_tokens += len(new)
     stats.total_s = time.perf_counter() - started

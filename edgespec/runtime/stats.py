@@ -19,6 +19,9 @@ class GenerationStats:
     drafter: str = ""  # "model", "ngram" or "none" (runtime/drafters.py)
     # the prompt as decoded: with token healing, the user's without its last token
     prompt_tokens: int = 0
+    # of them, those whose KV an earlier generation's caches held (runtime/prefix_cache.py):
+    # not prefilled again
+    prompt_tokens_reused: int = 0
     # token healing (runtime/healing.py): the text of the prompt's last token, backed off and
     # regrown by the first generated token; "" when the prompt was not healed
     healed: str = ""
@@ -142,6 +145,8 @@ class GenerationStats:
                 f"{f' by {self.drafter}' if self.drafter else ''}"
                 f", {self.tokens_per_target_call:.2f} tokens/target call"
             )
+        if self.prompt_tokens_reused:
+            line += f", {self.prompt_tokens_reused} of {self.prompt_tokens} prompt tokens reused"
         if self.calibration == "measured":
             line += f", {self.calibration_s:.1f}s measuring step costs first"
         elif self.calibration == "stored":

@@ -37,6 +37,7 @@ from edgespec.config import NO_DRAFTER, resolve_sampling
 from edgespec.errors import EdgespecError
 from edgespec.runtime.inputs import check_ids
 from edgespec.runtime.pipeline import Pipeline
+from edgespec.runtime.prefix_cache import PrefixCache
 from edgespec.serve import middleware, prompts
 from edgespec.serve.chat import ChatTemplate
 from edgespec.serve.config import ServeConfig
@@ -96,6 +97,11 @@ def build_app(pipe: Pipeline, config: ServeConfig | None = None) -> Starlette:
     metrics = Metrics(paths)
     worker = Worker(config.queue, on_result=metrics.record)
     metrics.watch_queue(worker.counts)
+    # the server's kept caches: one store in the one pipeline its worker runs generations on,
+    # each taken by one generation at a time (runtime/prefix_cache.py)
+    pipe.prefix_cache = PrefixCache(config.cache_slots, None if config.cache_mb is None
+                                    else config.cache_mb << 20)
+    metrics.watch_cache(pipe.prefix_cache)
     server = Server(pipe, config.model or pipe.path.resolve().name, config, worker, template,
                     text, metrics, max_chars, max_bytes)
 
@@ -289,11 +295,15 @@ async def _admitted(server: Server) -> AsyncIterator[Job]:
             server.worker.release(job)
 
 
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty")  # what a request may set of config.SamplingConfig
+
+
 def _sampling(server: Server, body: Settings) -> dict:
     """The request's sampling settings; those it omits from the package's generation
     defaults, else greedy: the same rule as the library's and the CLI's
     (config.resolve_sampling), so one request gives one answer on every surface."""
-    given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k")}
+    given = {name: getattr(body, name) for name in _SAMPLING}
     return asdict(resolve_sampling(given, server.pipe.manifest.generation))
 
 

@@ -41,6 +41,10 @@ class ServeConfig:
     tokenize_timeout_s: the longest the tokenizer may take over one prompt.
     shutdown_s: on SIGTERM / Ctrl-C, how long answers already under way may take to finish
         after their generations were cancelled.
+    cache_slots: how many generations' KV caches the pipeline keeps, least recently used
+        dropped first, for a request to start from the longest prefix it shares with one (a
+        chat's next turn prefills only its new message; runtime/prefix_cache.py); 0: none.
+    cache_mb: the most memory those kept caches may hold, in MiB (None: no cap).
     """
 
     model: str | None = None
@@ -57,10 +61,12 @@ class ServeConfig:
     template_timeout_s: float = 2.0
     tokenize_timeout_s: float = 10.0
     shutdown_s: float = 3.0
+    cache_slots: int = 4
+    cache_mb: int | None = 1024
 
     def __post_init__(self) -> None:
         for name, low in (("queue", 0), ("max_body", 1), ("max_tokens", 1),
-                          ("limit_concurrency", 1)):
+                          ("limit_concurrency", 1), ("cache_slots", 0)):
             value = getattr(self, name)
             if not (is_int(value) and value >= low):
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -69,6 +75,9 @@ class ServeConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if self.cache_mb is not None and not (is_int(self.cache_mb) and self.cache_mb >= 0):
+            raise ConfigError(f"cache_mb must be None (no cap) or an integer >= 0, got "
+                              f"{self.cache_mb!r}")
         if self.api_key is not None:
             check_api_key(self.api_key)
         for host in self.allowed_hosts:

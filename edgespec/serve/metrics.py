@@ -48,15 +48,28 @@ class Metrics:
                                 ["finish_reason"], registry=registry)
         self.queue = Gauge("edgespec_queue", "Requests admitted, by state", ["state"],
                            registry=registry)
+        self.reused = Counter("edgespec_prompt_tokens_reused", "Prompt tokens whose KV a kept "
+                              "cache held, not prefilled again", registry=registry)
+        self.cache_hits = Counter("edgespec_prefix_cache_hits", "Generations that started "
+                                  "from a kept cache", registry=registry)
+        self.cache_bytes = Gauge("edgespec_prefix_cache_bytes", "Memory the kept caches "
+                                 "hold", registry=registry)
 
     def watch_queue(self, counts) -> None:
         """Report ``counts()["running"]`` and ``["waiting"]`` at each scrape."""
         for state in ("running", "waiting"):
             self.queue.labels(state).set_function(lambda state=state: counts()[state])
 
+    def watch_cache(self, cache) -> None:
+        """Report the kept caches' memory (a runtime.prefix_cache.PrefixCache) at each scrape."""
+        self.cache_bytes.set_function(lambda: cache.nbytes)
+
     def record(self, result: GenerationResult, prompt_tokens: int) -> None:
         stats = result.stats
         self.prompt_tokens.inc(prompt_tokens)
+        self.reused.inc(stats.prompt_tokens_reused)
+        if stats.prompt_tokens_reused:
+            self.cache_hits.inc()
         self.generated.inc(stats.new_tokens)
         self.drafted.inc(stats.drafted)
         self.accepted.inc(stats.accepted)

@@ -44,13 +44,18 @@ class Settings(_Body):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
+    # OpenAI's penalties, its range (config.SamplingConfig); omitted: the package's, else 0
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     # OpenAI's, refused unless they change nothing
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     logprobs: bool | int | None = None
     # edgespec's own
     top_k: int | None = Field(None, ge=0)  # omitted: the package's default, else 0 (all)
+    # llama.cpp's and vLLM's min-p (config.SamplingConfig); omitted: the package's, else 0
+    min_p: float | None = Field(None, ge=0, le=1)
+    # transformers' and vLLM's (llama-server's repeat_penalty); omitted: the package's, else 1
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
     gamma: int = Field(_DEFAULTS.gamma, ge=1, le=MAX_GAMMA)
     schedule: Literal[SCHEDULES] = _DEFAULTS.schedule  # type: ignore[valid-type]
     use_draft: bool = True
@@ -76,9 +81,6 @@ class Settings(_Body):
         """(field, why) for the first setting edgespec cannot honour, or None."""
         if self.n != 1:
             return "n", f"n must be 1 (one choice per request), got {self.n}; send n requests"
-        if self.presence_penalty or self.frequency_penalty:
-            return ("presence_penalty" if self.presence_penalty else "frequency_penalty",
-                    "presence_penalty and frequency_penalty are not supported; leave them at 0")
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
         if self.logprobs:
