@@ -8,7 +8,7 @@ and length is checked against the bytes left in the file before anything is read
 arrays nest at most ``MAX_DEPTH`` deep, strings must be UTF-8, names printable, and the model's
 config values (``CONFIG_RANGES``) must lie in ranges a real model's do.
 
-The layout (llama.cpp's docs/gguf.md, versions 2 and 3, little-endian): magic ``GGUF``; u32
+The layout (the GGUF specification in ggml-org/ggml's docs, versions 2 and 3, little-endian): magic ``GGUF``; u32
 version; u64 tensor count; u64 key/value count; the pairs (a string key, a u32 value type, the
 value); then per tensor a string name, u32 dims, u64 per dim, u32 type, u64 offset. A string is
 a u64 length and its bytes; an array a u32 element type, a u64 count, the elements.
