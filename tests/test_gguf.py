@@ -44,7 +44,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def _model(kind: str, seed: int, tied: bool, hidden: int = 64):
+def _model(kind: str, seed: int, tied: bool, hidden: int = 64, rope_scaling: dict | None = None):
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen3Config, Qwen3ForCausalLM)
 
@@ -62,7 +62,7 @@ def _model(kind: str, seed: int, tied: bool, hidden: int = 64):
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           max_position_embeddings=128, bos_token_id=0, eos_token_id=0,
                           pad_token_id=0, tie_word_embeddings=tied, rms_norm_eps=1e-6,
-                          rope_theta=10000.0, **head)
+                          rope_theta=10000.0, rope_scaling=rope_scaling, **head)
     model = model_class(config).eval()
     with torch.no_grad():  # weights of a trained model's size, norms away from 1
         for name, p in model.named_parameters():
@@ -72,11 +72,11 @@ def _model(kind: str, seed: int, tied: bool, hidden: int = 64):
 
 def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied: bool = True,
                tokenizer: bool = True, architecture: str | None = None, hidden: int = 64,
-               value_length: int | None = None) -> Path:
+               value_length: int | None = None, rope_scaling: dict | None = None) -> Path:
     """A GGUF file of a tiny random ``kind`` model, tensors quantized as ``types`` says (GGUF
     short names: "attn_q", "token_embd", ... -> "Q4_1"; others F32), with the tests' tokenizer
     as tokenizer.ggml.* metadata. K-quants (which gguf-py cannot make) are random blocks."""
-    model, bpe = _model(kind, seed, tied, hidden)
+    model, bpe = _model(kind, seed, tied, hidden, rope_scaling)
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), architecture or kind)
     writer.add_name(f"tiny {kind}")
@@ -131,11 +131,34 @@ def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied
             writer.add_tensor(short, np.zeros((1, 292), np.uint8), raw_dtype=Q.Q8_K)
         else:
             writer.add_tensor(short, gguf.quants.quantize(w, Q[qtype]), raw_dtype=Q[qtype])
+    if rope_scaling:  # as llama.cpp's converter writes Llama 3's scaling
+        writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(rope_scaling, cfg))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _llama_cpp_rope_freqs(scaling: dict, cfg) -> np.ndarray:
+    """rope_freqs as llama.cpp's convert_hf_to_gguf.py computes them for Llama 3 (its
+    LlamaModel's loop over the frequencies, written out again here)."""
+    import math
+
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    factor, low, high = (scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * cfg.rope_theta ** (i / dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def _gguf_name(hf: str) -> str:
@@ -479,6 +502,37 @@ def test_block_sums_by_reduce_sum_keep_the_fp32_gate(files, tmp_path, monkeypatc
                       load_external_data=False).graph
     assert any(n.op_type == "ReduceSum" and n.input[0] != "attention_mask" for n in graph.node)
     assert not any(i.name.startswith("block_sums") for i in graph.initializer)
+
+
+# Llama 3.2's rope_scaling (config.json of Llama-3.2-1B/3B); at head size 16 and base 10,000
+# the wavelengths reach each of its three regions (kept, smoothed, divided by the factor)
+LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def test_llama3_rope_scaling_from_gguf_is_transformers_model(tmp_path):
+    """A GGUF file with rope_freqs (Llama 3.1+) exports to the graph of transformers' model
+    with config.json's llama3 rope_scaling: logits equal over 120 positions at fp32's gate. The
+    same comparison against the model without the scaling fails (the check can fail), and
+    rope_freqs of another kind are refused in one line."""
+    from edgespec.errors import ExportError
+
+    file = write_gguf(tmp_path / "l3.gguf", "llama", {}, seed=7, rope_scaling=LLAMA32_ROPE)
+    manifest = export_pair(file, None, tmp_path / "p")
+    assert manifest.target.validation["failures"] == []
+    ids = np.random.default_rng(0).integers(1, 300, 120)
+    pipe = edgespec.load(tmp_path / "p")
+    graph = pipe.target.forward(ids, pipe.target.new_cache())
+    for scaling, same in ((LLAMA32_ROPE, True), (None, False)):
+        model, _ = _model("llama", 7, True, rope_scaling=scaling)
+        with torch.no_grad():
+            expected = model(torch.from_numpy(ids)[None]).logits[0].numpy()
+        diff = np.abs(graph - expected).max()
+        assert (diff < 1e-3) == same, (scaling, diff)
+    other = write_gguf(tmp_path / "o.gguf", "llama", {}, seed=7,
+                       rope_scaling={**LLAMA32_ROPE, "high_freq_factor": 2.0})
+    with pytest.raises(ExportError, match="not Llama 3's rotary scaling"):
+        export_pair(other, None, tmp_path / "o")
 
 
 def test_quantize_applies_to_the_weights_that_were_not_repacked(files, tmp_path):

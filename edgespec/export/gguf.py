@@ -93,10 +93,6 @@ def read_gguf_checkpoint(file: Path, role: str) -> GGUFCheckpoint:
     if "tokenizer.ggml.tokens" not in reader.fields or "tokenizer.ggml.model" not in reader.fields:
         raise ExportError(f"--{role} {file} has no tokenizer (no tokenizer.ggml.* metadata); "
                           "export a GGUF file written with its tokenizer")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ExportError(f"--{role} {file} scales its rotary frequencies per dimension "
-                          "(rope_freqs: Llama 3.1-style), which edgespec does not read from GGUF "
-                          "files; export the model's Hugging Face folder instead")
     _check_tensors(reader, file, role)
     try:
         with quiet("transformers"), _one_parse():
@@ -106,6 +102,9 @@ def read_gguf_checkpoint(file: Path, role: str) -> GGUFCheckpoint:
         raise ExportError(f"--{role} {file}: transformers cannot read its config or tokenizer "
                           f"({one_line(e)})") from None
     config.head_dim = _head_dim(reader, architecture, config, file, role)
+    factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if factors is not None:
+        config.rope_scaling = llama3_scaling(_rope_factors(factors, file, role), config, file, role)
     if len(tokenizer) > config.vocab_size:
         raise ExportError(f"--{role} {file}: its tokenizer has {len(tokenizer)} tokens but the "
                           f"model scores {config.vocab_size}; the file's vocabulary is "
@@ -114,6 +113,45 @@ def read_gguf_checkpoint(file: Path, role: str) -> GGUFCheckpoint:
            if k in reader.fields]
     _set_special_tokens(tokenizer, reader)
     return GGUFCheckpoint(file, config, tokenizer, eos_ids=tuple(eos), architecture=architecture)
+
+
+# Llama 3.1, 3.2 and 3.3 scale their rotary frequencies by these (config.json's rope_scaling);
+# only the factor differs between them (8 for 3.1 and 3.3, 32 for 3.2)
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+def llama3_factors(scaling: dict, base: float, head_dim: int) -> np.ndarray:
+    """The per-dimension divisors of the rotary frequencies that Llama 3's rope_scaling makes
+    (llama.cpp's converter writes them as the rope_freqs tensor; transformers computes the
+    same in _compute_llama3_parameters): 1 for short wavelengths, the factor for long ones,
+    a smooth mix between."""
+    factor, low, high = (scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    old = scaling["original_max_position_embeddings"]
+    freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (old / wavelen - low) / (high - low)
+    mixed = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, mixed))
+
+
+def llama3_scaling(factors: np.ndarray, config, file: Path, role: str) -> dict:
+    """config.json's rope_scaling that makes the file's rope_freqs (Llama 3.x's: its factor
+    is the largest divisor), checked divisor by divisor; anything else is refused."""
+    scaling = {"rope_type": "llama3", "factor": float(factors.max()), **LLAMA3_ROPE}
+    expected = llama3_factors(scaling, float(config.rope_theta), int(config.head_dim))
+    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-5):
+        raise ExportError(f"--{role} {file}: its rope_freqs are not Llama 3's rotary scaling "
+                          "(factor, low 1, high 4, 8192 positions), the only one edgespec reads "
+                          "from GGUF files; export the model's Hugging Face folder instead")
+    return scaling
+
+
+def _rope_factors(tensor, file: Path, role: str) -> np.ndarray:
+    if tensor.tensor_type.name != "F32" or len(tensor.shape) != 1 or int(tensor.shape[0]) > 4096:
+        raise ExportError(f"--{role} {file}: its rope_freqs tensor is not a float32 vector; "
+                          "download or convert the file again")
+    return np.asarray(tensor.data, dtype=np.float64).reshape(-1)
 
 
 def _head_dim(reader, architecture: str, config, file: Path, role: str) -> int:
