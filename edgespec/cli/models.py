@@ -53,10 +53,9 @@ def build(name: str, source: Path | None, overwrite: bool, target_compute: str |
     needs_export_extra("edgespec.export.package")
     from edgespec.models import named
 
-    path = named.build(name, source, progress=lambda line: click.echo(line, err=True),
-                       overwrite=overwrite, target_compute=target_compute)
-    click.echo(f"built {named.MODELS[name].title} at {path}; try: edgespec chat {name}",
-               err=True)
+    named.build(name, source, progress=lambda line: click.echo(line, err=True),
+                overwrite=overwrite, target_compute=target_compute)
+    click.echo(f"try: edgespec chat {name}", err=True)
 
 
 @models.command("build-demo")

@@ -32,7 +32,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,15 +192,45 @@ def build(name: str, source: Path | None = None, progress: Progress = print,
     """
     model = MODELS[name]
     out = models_folder() / model.name
-    if (out / MANIFEST_NAME).is_file() and not overwrite:
-        lacks = model.draft and json.loads((out / MANIFEST_NAME).read_text()).get("draft") is None
-        progress(f"{model.title} is already built at {out}" + (
-            " without its draft model (--overwrite builds the pair)" if lacks
-            else " (--overwrite builds it again)"))
-        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _building(out, progress):  # a second build of the same model waits for the first
+        if (out / MANIFEST_NAME).is_file() and not overwrite:
+            lacks = model.draft and json.loads(
+                (out / MANIFEST_NAME).read_text()).get("draft") is None
+            progress(f"{model.title} is already built at {out}" + (
+                " without its draft model (--overwrite builds the pair)" if lacks
+                else " (--overwrite builds it again)"))
+            return out
+        _export(model, out, source, progress, target_compute)
+    progress(f"built {model.title} at {out}")
+    return out
+
+
+@contextmanager
+def _building(out: Path, progress: Progress) -> Iterator[None]:
+    """Hold ``out``'s build lock (an flock on a file beside it, released when the process ends
+    however it ends); a build already holding it is waited for, and said so."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock, as before
+        yield
+        return
+    with open(out.parent / f".{out.name}.lock", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"another edgespec is building {out.name} into {out}; waiting for it...")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _export(model: NamedModel, out: Path, source: Path | None, progress: Progress,
+            target_compute: str | None) -> None:
     from edgespec.export import export_pair  # needs the export extra (torch, transformers)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{model.name}-", dir=out.parent) as tmp:
         gguf = _gguf_file(model.target, source, Path(tmp), progress)
         draft, token_ids = None, None
@@ -220,7 +251,6 @@ def build(name: str, source: Path | None = None, progress: Progress = print,
         if out.exists():  # --overwrite: only a package this function built stands there
             shutil.rmtree(out)
         staged.rename(out)
-    return out
 
 
 def _gguf_file(file: GGUFFile, source: Path | None, tmp: Path, progress: Progress) -> Path:
