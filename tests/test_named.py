@@ -187,3 +187,19 @@ def test_a_second_build_of_the_same_model_waits_and_says_so(tiny, tmp_path, monk
     waiter.join(timeout=30)
     assert len(given) == 1 and sum(line.startswith("built ") for line in first) == 1
     assert "is already built" in second[-1]
+
+
+def test_what_a_killed_build_left_is_removed_by_the_next(tiny, tmp_path):
+    """A build killed outright (SIGKILL, power) leaves its temporary folder beside the
+    package; the next build of that model removes it, and nothing else."""
+    data, given = tiny
+    _wheels(tmp_path / "wheels", data)
+    models = tmp_path / "models"
+    (models / ".tiny-k1ll3d00" / "unpacked").mkdir(parents=True)
+    (models / ".tiny-k1ll3d00" / "unpacked" / "tiny.gguf").write_bytes(data)
+    (models / ".other-model-x").mkdir()
+    (models / ".tiny-x-abcdefgh").mkdir()  # another model's (named tiny-x), kept
+    lines = []
+    named.build("tiny", tmp_path / "wheels", progress=lines.append)
+    assert _left(models) == [".other-model-x", ".tiny-x-abcdefgh", "tiny"] and len(given) == 1
+    assert any("interrupted build" in line for line in lines)

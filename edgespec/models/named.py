@@ -27,6 +27,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -194,6 +195,12 @@ def build(name: str, source: Path | None = None, progress: Progress = print,
     out = models_folder() / model.name
     out.parent.mkdir(parents=True, exist_ok=True)
     with _building(out, progress):  # a second build of the same model waits for the first
+        for stale in out.parent.glob(f".{model.name}-*"):  # a build killed before it could
+            # clean up (its temporary folder, made below, holds the files: gigabytes)
+            if re.fullmatch(rf"\.{re.escape(model.name)}-[a-z0-9_]{{8}}", stale.name) and \
+                    stale.is_dir() and not stale.is_symlink():
+                progress(f"removing what an interrupted build left: {stale}")
+                shutil.rmtree(stale, ignore_errors=True)
         if (out / MANIFEST_NAME).is_file() and not overwrite:
             lacks = model.draft and json.loads(
                 (out / MANIFEST_NAME).read_text()).get("draft") is None
