@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gguf_files import LLAMA_K, write_gguf
 
 from edgespec.models import demo_package
 
@@ -104,8 +105,14 @@ def test_the_floor_onnxruntime_gives_the_same_greedy_tokens(floor_python, packag
                 target_compute="float")
     tied = tmp_path / "tied-int4"  # one int4 table read by GatherBlockQuantized and MatMulNBits
     export_pair(TIED, TIED, tied, quantize="int4", target_compute="float")
+    # a GGUF file's blocks kept compact (Q4_K, Q5_0 and Q6_K: the tensors onnxruntime reads
+    # made at load, runtime/unpack.py, and handed over as external initializers)
+    mixed = write_gguf(tmp_path / "k.gguf", "llama", {**LLAMA_K, "ffn_up": "Q5_0"}, seed=5,
+                       hidden=256)
+    gguf_pair = tmp_path / "gguf"
+    export_pair(mixed, mixed, gguf_pair, target_compute="float")
     paths = [str(demo_package()), str(packages["llama"]), str(packages["llama_noisy"]), str(int4),
-             str(tied)]
+             str(tied), str(gguf_pair)]
     floor, current = greedy_ids(floor_python, paths), greedy_ids(sys.executable, paths)
     assert floor.pop("onnxruntime") == declared_floor()
     current.pop("onnxruntime")
@@ -123,7 +130,10 @@ def test_the_floor_onnxruntime_gives_bit_identical_rows_from_two_tokens_on(
     int8 = tmp_path / "int4-int8"
     export_pair(checkpoints["llama_target"], checkpoints["llama_noisy"], int8, quantize="int4",
                 target_compute="int8", validation="skip")
-    paths = [str(packages["llama"]), str(packages["gpt2"]), str(int8)]
+    gguf_int8 = tmp_path / "gguf-int8"  # compact blocks computing in int8
+    export_pair(write_gguf(tmp_path / "k.gguf", "llama", LLAMA_K, seed=5, hidden=256), None,
+                gguf_int8, target_compute="int8", validation="skip")
+    paths = [str(packages["llama"]), str(packages["gpt2"]), str(int8), str(gguf_int8)]
     for python in (floor_python, sys.executable):
         assert all(greedy_ids(python, paths, ROWS_IDENTICAL).values()), python
         ids = greedy_ids(python, [str(int8)])[str(int8)]  # [spec, alone] per prompt
