@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from edgespec.cli.base import main, needs_export_extra, user_errors
+from edgespec.export.aux_layers import RULE as AUX_LAYERS_RULE
 from edgespec.models.named import MODELS
 
 
@@ -108,7 +109,8 @@ def build_demo(out: Path, target_minutes: float | None, draft_minutes: float | N
 @click.option("--tokens", type=click.IntRange(1000), default=150_000, show_default=True,
               help="--data code: tokens of continuations.")
 @click.option("--aux-layers", type=click.IntRange(0), nargs=3,
-              help="Target layers whose input streams the head reads [default: 2, L/2, L-3].")
+              help=f"Target layers whose input streams the head reads, three different ones "
+                   f"[default: {AUX_LAYERS_RULE}].")
 @click.option("--seed", default=0, show_default=True)
 @user_errors
 def distill(target: Path, out: Path, data: str, minutes: float, draft_vocab: int, steps: int,
