@@ -30,7 +30,7 @@ from edgespec.manifest import PROMPTS_NAME
 from edgespec.runtime.drafters import resolve_drafter
 from edgespec.runtime.machine import describe, machine_info
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.schedule import expected_tokens, round_ms
+from edgespec.runtime.schedule import expected_speedup
 from edgespec.runtime.stats import GenerationStats
 
 
@@ -73,17 +73,6 @@ class BenchConfig:
         fixed = [("fixed", g) for g in self.gammas] if "fixed" in self.schedules else []
         others = [(s, max(self.gammas)) for s in self.schedules if s != "fixed"]
         return [(d, *v) for d in self.drafters for v in others + fixed]
-
-
-def expected_speedup(alpha: float, k: int, draft_ms: float, verify_ms: float,
-                     step_ms: float, sampled: bool = False) -> float:
-    """Leviathan et al.'s expected speedup with measured costs.
-
-    expected_tokens(alpha, k) tokens per round, at the cost of a round (schedule.round_ms: k
-    draft steps, one target run on k+1 tokens, the sampled round's extra draft step), against
-    one target step per token.
-    """
-    return expected_tokens(alpha, k) * step_ms / round_ms(k, draft_ms, verify_ms, alpha, sampled)
 
 
 @dataclass
