@@ -80,7 +80,7 @@ class Row:
     """One configuration's medians."""
 
     temperature: float
-    drafter: str  # "model" or "ngram" (runtime/drafters.py)
+    drafter: str  # "model", "eagle3" or "ngram": what drafted (runtime/drafters.py)
     schedule: str
     gamma: int  # k when fixed; the starting or largest k otherwise
     baseline_tokens_per_s: float
@@ -189,7 +189,7 @@ def summarise(temperature: float, drafter: str, schedule: str, gamma: int, pairs
     # n-gram lookup, which drafts only where it finds a match
     expected = (
         expected_speedup(spec.alpha, gamma, draft_ms, verify_ms, step_ms, temperature > 0)
-        if schedule == "fixed" and spec.drafter == "model" else None
+        if schedule == "fixed" and spec.drafter in ("model", "eagle3") else None
     )
     return Row(
         temperature=temperature,

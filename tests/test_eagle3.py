@@ -205,11 +205,15 @@ def test_one_rule_gives_three_different_aux_layers(layers, expected):
     assert default_aux_layers(layers) == expected
 
 
-def test_repeated_aux_layers_are_refused_in_one_line(target, tmp_path):
+def test_repeated_aux_layers_are_refused_in_one_line_where_they_are_chosen(target, tmp_path):
+    """A head trained here (head_config, --aux-layers) may not repeat a layer; a head's own
+    config says what it was trained on and is read as named."""
     model, _ = target
-    folder = write_random_head(tmp_path / "h", model.config, aux_layers=(1, 1, 2))
-    with pytest.raises(ExportError, match=r"repeat layer 1") as caught:
-        read_head_config(folder, model.config)
-    assert "\n" not in str(caught.value)
-    with pytest.raises(ExportError, match=r"\(2, 2, 0\) repeat layer 2"):
+    with pytest.raises(ExportError, match=r"\(2, 2, 0\) repeat layer 2") as caught:
         check_aux_layers((2, 2, 0), None)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ExportError, match=r"repeat layer 1"):
+        check_aux_layers([1, 1, 2], 3)
+    assert check_aux_layers((2, 0, 1), 3) == (2, 0, 1)
+    folder = write_random_head(tmp_path / "h", model.config, aux_layers=(1, 1, 2))
+    assert read_head_config(folder, model.config).aux_layers == (1, 1, 2)

@@ -1,6 +1,10 @@
 """Which of the target's layers an EAGLE-3 head reads (its "aux layers"): the one home of the
 default and of the check, for the exporter, the distillation recipe and the CLI alike.
 
+The default never repeats a layer, and a head trained here (``edgespec distill``) may not: a
+repeat is refused in one line naming it. A head's own config may repeat one (it says what the
+head was trained on, and a 2-layer target has no three different layers): it is read as named.
+
 Light on purpose (no torch): ``edgespec distill --help`` states the rule from RULE.
 """
 
@@ -25,16 +29,17 @@ def default_aux_layers(target_layers: int) -> tuple[int, int, int]:
     return (target_layers // 4, target_layers // 2, target_layers - 1)
 
 
-def aux_layers_problem(aux: object, target_layers: int | None) -> str | None:
-    """What is wrong with ``aux`` as three different layer ids of the target (of any depth
-    when ``target_layers`` is None), or None."""
+def aux_layers_problem(aux: object, target_layers: int | None,
+                       repeats: bool = False) -> str | None:
+    """What is wrong with ``aux`` as three layer ids of the target (of any depth when
+    ``target_layers`` is None), different ones unless ``repeats``; or None."""
     high = (1 << 31) if target_layers is None else target_layers
     if not isinstance(aux, (list, tuple)) or len(aux) != 3 or not all(
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < high for i in aux):
         return (f"aux hidden-state layers {shown(aux)} must be three layer ids in "
                 f"0..{high - 1} of the target")
     repeated = sorted({i for i in aux if list(aux).count(i) > 1})
-    if repeated:
+    if repeated and not repeats:
         return (f"aux hidden-state layers {shown(tuple(aux))} repeat layer "
                 f"{', '.join(map(str, repeated))}; name three different layers")
     return None

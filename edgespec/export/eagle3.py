@@ -184,7 +184,8 @@ class _HeadFields:
 
 def _aux_layers(raw: dict, layers: int, problems: list[str]) -> tuple[int, ...]:
     """eagle_config.eagle_aux_hidden_state_layer_ids (or the key at the top level, or the
-    default): three different layer ids of the target (aux_layers.py)."""
+    default): three layer ids of the target (aux_layers.py: the default never repeats one; a
+    config may)."""
     eagle = raw.get("eagle_config") or {}
     if not isinstance(eagle, dict):
         problems.append(f"eagle_config {shown(eagle)} is not an object")
@@ -196,7 +197,7 @@ def _aux_layers(raw: dict, layers: int, problems: list[str]) -> tuple[int, ...]:
     except ExportError as e:
         problems.append(str(e))
         return ()
-    problem = aux_layers_problem(aux, layers)
+    problem = aux_layers_problem(aux, layers, repeats=True)
     if problem:
         problems.append(problem)
         return ()
