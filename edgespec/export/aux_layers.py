@@ -1,9 +1,10 @@
 """Which of the target's layers an EAGLE-3 head reads (its "aux layers"): the one home of the
 default and of the check, for the exporter, the distillation recipe and the CLI alike.
 
-The default never repeats a layer, and a head trained here (``edgespec distill``) may not: a
-repeat is refused in one line naming it. A head's own config may repeat one (it says what the
-head was trained on, and a 2-layer target has no three different layers): it is read as named.
+The default never repeats a layer, and ``edgespec distill --aux-layers`` may not: a repeat is
+refused in one line naming it. Layers named otherwise (a head's own config, which says what the
+head was trained on; a caller of the recipe's head_config) may repeat one, as a 2-layer target
+must: they are read as named.
 
 Light on purpose (no torch): ``edgespec distill --help`` states the rule from RULE.
 """
@@ -45,10 +46,12 @@ def aux_layers_problem(aux: object, target_layers: int | None,
     return None
 
 
-def check_aux_layers(aux: object, target_layers: int | None) -> tuple[int, int, int]:
+def check_aux_layers(aux: object, target_layers: int | None,
+                     repeats: bool = False) -> tuple[int, int, int]:
     """``aux`` as a tuple, or ExportError (one line naming the layers) when it is not three
-    different layer ids of a ``target_layers``-layer target (None: any depth)."""
-    problem = aux_layers_problem(aux, target_layers)
+    layer ids of a ``target_layers``-layer target (None: any depth), different ones unless
+    ``repeats``."""
+    problem = aux_layers_problem(aux, target_layers, repeats)
     if problem:
         raise ExportError(f"{problem} (eagle_config.eagle_aux_hidden_state_layer_ids, or "
                           "--aux-layers)")

@@ -62,11 +62,11 @@ class Example:
 
 def head_config(target_config, folder: Path, draft_vocab: int,
                 aux_layers: tuple[int, int, int] | None = None) -> HeadConfig:
-    """A head of the target's width, heads and MLP size, reading ``aux_layers`` (checked:
-    three different layers; default: aux_layers.default_aux_layers)."""
+    """A head of the target's width, heads and MLP size, reading ``aux_layers`` (three layers
+    of the target, checked; default: aux_layers.default_aux_layers)."""
     layers = target_config.num_hidden_layers
     aux_layers = (default_aux_layers(layers) if aux_layers is None
-                  else check_aux_layers(aux_layers, layers))
+                  else check_aux_layers(aux_layers, layers, repeats=True))
     heads = target_config.num_attention_heads
     rope = {"rope_theta": getattr(target_config, "rope_theta", 10000.0),
             "max_position_embeddings": target_config.max_position_embeddings}
