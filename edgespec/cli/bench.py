@@ -40,8 +40,9 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Draft-length schedules, comma-separated: fixed runs every --gamma; "
                    "heuristic and adaptive (generate's default) run once with the largest.")
 @click.option("--drafter", "drafters", default="auto", show_default=True,
-              help="Drafters to compare, comma-separated: model, ngram, auto (model if the "
-                   "package has one, else ngram); each against target-only runs.")
+              help="Drafters to compare, comma-separated: model (the package's draft; an "
+                   "EAGLE-3 head's rows say eagle3), ngram, auto (model if the package has "
+                   "one, else ngram); each against target-only runs.")
 @click.option("--max-new-tokens", "-n", default=_DEFAULTS.max_new_tokens, show_default=True)
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
               help="Prompts, one per line (or JSON Lines of strings or of {\"messages\": "
