@@ -122,3 +122,9 @@ def test_the_layout_check_flags_a_missing_or_misplaced_module():
     assert unmapped(["config.py", "export/session.py", "runtime/pair.py", "export/air.py"],
                     sections) == ["config.py", "export/session.py", "runtime/pair.py",
                                   "export/air.py"]
+
+
+def test_the_readme_states_the_aux_layers_rule_as_the_code_has_it():
+    from edgespec.export.aux_layers import RULE
+
+    assert RULE in " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
