@@ -32,6 +32,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from edgespec.runtime.schedule import StepCosts
+from edgespec.runtime.schedule import best_k as schedule_best_k
+
 if TYPE_CHECKING:
     import torch
 
@@ -576,25 +579,15 @@ def costs(runs: dict[str, list[dict]]) -> dict:
     return figures
 
 
-def tokens_per_round(alpha: float, k: int) -> float:
-    """Leviathan et al. 2023, eq. 1: (1 - alpha^(k+1)) / (1 - alpha) tokens a round."""
-    return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
-def expected_speedup(alpha: float, k: int, draft_ms: float, target_ms: dict[int, float],
-                     row_sampling_ms: float, token_sampling_ms: float) -> float:
-    """Tokens a round per round cost (k draft steps, the target on k+1 tokens, the sampling of
-    k+1 rows), against a target step and its sampling per token."""
-    round_ms = k * draft_ms + target_ms[k + 1] + (k + 1) * row_sampling_ms
-    return tokens_per_round(alpha, k) * (target_ms[1] + token_sampling_ms) / round_ms
-
-
 def best_k(alpha: float, draft_ms: float, target_ms: dict[int, float], row_sampling_ms: float,
            token_sampling_ms: float) -> tuple[int, float]:
-    """The k in 1..KMAX with the largest expected speedup, and that speedup."""
-    return max(((k, expected_speedup(alpha, k, draft_ms, target_ms, row_sampling_ms,
-                                     token_sampling_ms)) for k in range(1, KMAX + 1)),
-               key=lambda pair: pair[1])
+    """The k in 1..KMAX with the largest expected speedup, and that speedup: the runtime's cost
+    model (edgespec/runtime/schedule.py) with the sampling of the n rows a target run on n
+    tokens yields counted in that run, against a target step and its sampling per token."""
+    costs = StepCosts(draft_ms, tuple(target_ms[n] + n * row_sampling_ms
+                                      for n in range(1, KMAX + 2)))
+    k = schedule_best_k(costs, alpha, kmin=1)
+    return k, costs.tokens_per_ms(alpha, k) * (target_ms[1] + token_sampling_ms)
 
 
 NO_SAMPLING = {"sampling not timed": {"per_row_ms": 0.0, "per_token_ms": 0.0}}

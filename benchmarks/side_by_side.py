@@ -54,6 +54,9 @@ import common  # benchmarks/common.py: machine_info, versions
 import peer_genai_steps as genai
 import peer_llamacpp as llamacpp
 
+from edgespec.runtime.schedule import StepCosts
+from edgespec.runtime.schedule import best_k as schedule_best_k
+
 ALPHAS = (0.6, 0.7, 0.8)
 SHOWN_K = (1, 2, 4, 8)  # v(k) columns of the table
 EDGESPEC_VARIANTS = {  # name -> edgespec export arguments (after --target/--draft/--out)
@@ -352,22 +355,18 @@ def pooled(job: Job, n: int) -> float | None:
     return statistics.median(values) if values else None
 
 
-def tokens_per_round(alpha: float, k: int) -> float:
-    """Leviathan et al. 2023, eq. 1: (1 - alpha^(k+1)) / (1 - alpha) tokens a round."""
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
-def best_k(alpha: float, draft_ms: float, target_ms: dict[int, float], kmax: int) -> dict:
-    """The k in 1..kmax (those timed) with the largest expected speedup over target-only."""
-    best = None
-    for k in range(1, kmax + 1):
-        if k + 1 not in target_ms:
-            continue
-        round_ms = k * draft_ms + target_ms[k + 1]
-        speedup = tokens_per_round(alpha, k) * target_ms[1] / round_ms
-        if best is None or speedup > best["speedup"]:
-            best = {"k": k, "speedup": speedup, "ms_per_token": target_ms[1] / speedup}
-    return best
+def best_k(alpha: float, draft_ms: float, target_ms: dict[int, float | None], kmax: int) -> dict:
+    """The k in 1..kmax (those timed) with the largest expected speedup over target-only: the
+    runtime's cost model (edgespec/runtime/schedule.py), on the lengths timed from 1 up."""
+    timed: list[float] = []
+    for n in range(1, kmax + 2):
+        if target_ms.get(n) is None:
+            break
+        timed.append(target_ms[n])
+    costs = StepCosts(draft_ms, tuple(timed))
+    k = schedule_best_k(costs, alpha, kmin=1)
+    speedup = costs.tokens_per_ms(alpha, k) * target_ms[1]
+    return {"k": k, "speedup": speedup, "ms_per_token": target_ms[1] / speedup}
 
 
 def model_bytes(job: Job) -> int:

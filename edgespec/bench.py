@@ -30,7 +30,7 @@ from edgespec.manifest import PROMPTS_NAME
 from edgespec.runtime.drafters import resolve_drafter
 from edgespec.runtime.machine import describe, machine_info
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.schedule import expected_tokens, round_ms
+from edgespec.runtime.schedule import expected_speedup
 from edgespec.runtime.stats import GenerationStats
 
 
@@ -75,23 +75,12 @@ class BenchConfig:
         return [(d, *v) for d in self.drafters for v in others + fixed]
 
 
-def expected_speedup(alpha: float, k: int, draft_ms: float, verify_ms: float,
-                     step_ms: float, sampled: bool = False) -> float:
-    """Leviathan et al.'s expected speedup with measured costs.
-
-    expected_tokens(alpha, k) tokens per round, at the cost of a round (schedule.round_ms: k
-    draft steps, one target run on k+1 tokens, the sampled round's extra draft step), against
-    one target step per token.
-    """
-    return expected_tokens(alpha, k) * step_ms / round_ms(k, draft_ms, verify_ms, alpha, sampled)
-
-
 @dataclass
 class Row:
     """One configuration's medians."""
 
     temperature: float
-    drafter: str  # "model" or "ngram" (runtime/drafters.py)
+    drafter: str  # "model", "eagle3" or "ngram": what drafted (runtime/drafters.py)
     schedule: str
     gamma: int  # k when fixed; the starting or largest k otherwise
     baseline_tokens_per_s: float
@@ -109,11 +98,27 @@ class Row:
     runs: int
 
 
+# ``edgespec bench --quick``: a first look in about two minutes on an idle 2-core machine with
+# a SmolLM2-sized pair: greedy only, one drafter, adaptive and one fixed k, short generations,
+# one run of the first QUICK_PROMPTS prompts
+QUICK = BenchConfig(gammas=(4,), temperatures=(0.0,), max_new_tokens=32, repeats=1)
+QUICK_PROMPTS = 4
+
+
+class BenchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during the runs: ``report`` holds the rows of what was measured so far."""
+
+    def __init__(self, report: BenchReport):
+        super().__init__()
+        self.report = report
+
+
 @dataclass
 class BenchReport:
     config: BenchConfig
     rows: list[Row] = field(default_factory=list)
     prompts: int = 0
+    interrupted: int | None = None  # generations done when Ctrl-C stopped the runs
     # what the ratios were measured on (runtime/machine.py), the sessions' settings and the
     # command: ratios from machines with other caches or cores are not comparable
     machine: dict = field(default_factory=dict)
@@ -150,29 +155,49 @@ def run_bench(
                          sessions=pipe.describe_sessions(),
                          package=str(pipe.path), command=command)
     done = 0
-    for temperature in config.temperatures:
-        sampling = SamplingConfig(temperature)
-        runs: dict[tuple[str, str, int], list] = {v: [] for v in config.variants}
-        for repeat in range(config.repeats):
-            for i, prompt in enumerate(prompts):
-                seed = config.seed + 1000 * repeat + i
-                # cold runs, each prefilling its whole prompt: the speculative run would
-                # otherwise start from the KV its baseline left (runtime/prefix_cache.py)
-                pipe.prefix_cache.clear()
-                # EOS ignored: every run makes max_new_tokens, whatever it samples
-                base = GenerationConfig(config.max_new_tokens, sampling, drafter=NO_DRAFTER,
-                                        seed=seed, ignore_eos=True)
-                baseline = pipe.generate(prompt, base).stats
-                for drafter, schedule, gamma in config.variants:
-                    spec = GenerationConfig(config.max_new_tokens, sampling, gamma, schedule,
-                                            seed=seed, ignore_eos=True, drafter=drafter)
-                    pipe.prefix_cache.clear()
-                    runs[drafter, schedule, gamma].append(
-                        (baseline, pipe.generate(prompt, spec).stats))
-                done += 1 + len(config.variants)
-                progress(done)
-        report.rows += [summarise(temperature, *v, runs[v]) for v in config.variants]
+
+    def finished(generations: int) -> None:
+        nonlocal done
+        done += generations
+        progress(done)
+
+    runs: dict[tuple[str, str, int], list] = {}
+    try:
+        for temperature in config.temperatures:
+            runs = {v: [] for v in config.variants}
+            _bench_temperature(pipe, prompts, config, temperature, runs, finished)
+            report.rows += [summarise(temperature, *v, runs[v]) for v in config.variants]
+    except KeyboardInterrupt as e:  # the temperature under way: the pairs it finished
+        report.rows += [summarise(temperature, *v, runs[v]) for v in config.variants if runs[v]]
+        report.interrupted = done
+        raise BenchInterrupted(report) from e
     return report
+
+
+def _bench_temperature(pipe: Pipeline, prompts: list[str | list[int]], config: BenchConfig,
+                       temperature: float, runs: dict[tuple[str, str, int], list],
+                       finished: Callable[[int], None]) -> None:
+    """Every repeat of every prompt at one temperature: (baseline, speculative) stats pairs
+    appended to ``runs`` per variant as each finishes, ``finished(n)`` after each prompt's n
+    generations."""
+    sampling = SamplingConfig(temperature)
+    for repeat in range(config.repeats):
+        for i, prompt in enumerate(prompts):
+            seed = config.seed + 1000 * repeat + i
+            # cold runs, each prefilling its whole prompt: the speculative run would
+            # otherwise start from the KV its baseline left (runtime/prefix_cache.py)
+            pipe.prefix_cache.clear()
+            # EOS ignored: every run makes max_new_tokens, whatever it samples
+            base = GenerationConfig(config.max_new_tokens, sampling, drafter=NO_DRAFTER,
+                                    seed=seed, ignore_eos=True)
+            baseline = pipe.generate(prompt, base).stats
+            for drafter, schedule, gamma in config.variants:
+                spec = GenerationConfig(config.max_new_tokens, sampling, gamma, schedule,
+                                        seed=seed, ignore_eos=True, drafter=drafter)
+                pipe.prefix_cache.clear()
+                runs[drafter, schedule, gamma].append(
+                    (baseline, pipe.generate(prompt, spec).stats))
+            finished(1 + len(config.variants))
 
 
 def check_drafters(pipe: Pipeline, config: BenchConfig) -> None:
@@ -200,7 +225,7 @@ def summarise(temperature: float, drafter: str, schedule: str, gamma: int, pairs
     # n-gram lookup, which drafts only where it finds a match
     expected = (
         expected_speedup(spec.alpha, gamma, draft_ms, verify_ms, step_ms, temperature > 0)
-        if schedule == "fixed" and spec.drafter == "model" else None
+        if schedule == "fixed" and spec.drafter in ("model", "eagle3") else None
     )
     return Row(
         temperature=temperature,
@@ -307,6 +332,9 @@ def format_table(report: BenchReport) -> str:
         f"{report.config.max_new_tokens} new tokens; medians; costs in ms per run, measured in "
         "the same runs (target step: target-only runs; draft step and verify of k+1 tokens: "
         "speculative runs)",
+        *([f"interrupted after {report.interrupted} generations: the rows of the runs "
+           "finished (a temperature cut short has fewer)"] if report.interrupted is not None
+          else []),
         "",
         f"{'temp':>5} {'drafter':>7} {'schedule':>9} {'gamma':>5} {'target tok/s':>12} "
         f"{'spec tok/s':>10} "

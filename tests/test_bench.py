@@ -10,7 +10,15 @@ import pytest
 from click.testing import CliRunner
 
 import edgespec
-from edgespec.bench import BenchConfig, expected_speedup, read_prompts, run_bench
+from edgespec.bench import (
+    QUICK,
+    BenchConfig,
+    BenchInterrupted,
+    expected_speedup,
+    format_table,
+    read_prompts,
+    run_bench,
+)
 from edgespec.cli import main
 from edgespec.runtime.stats import GenerationStats
 
@@ -155,3 +163,55 @@ def test_bench_compares_drafters_and_refuses_one_the_package_lacks(packages, che
                                        "--repeats", "1"])
     assert result.exit_code == 1
     assert "needs a draft model and this package is target only" in result.output
+
+
+def test_ctrl_c_keeps_the_rows_measured_so_far(packages):
+    """Interrupted in its second temperature, the bench still hands over the first one's rows
+    and those of the second's finished prompts, and its table says it was cut short."""
+    pipe = edgespec.load(packages["llama_noisy"])
+    config = BenchConfig(gammas=(2,), temperatures=(0.0, 1.0), max_new_tokens=8, repeats=1,
+                         schedules=("fixed",))
+
+    def progress(done: int) -> None:
+        if done == 3 * 2:  # two prompts at T = 0, then one at T = 1
+            raise KeyboardInterrupt
+
+    with pytest.raises(BenchInterrupted) as caught:
+        run_bench(pipe, ["def add(a, b):", "The quick"], config, progress=progress)
+    report = caught.value.report
+    assert isinstance(caught.value, KeyboardInterrupt)  # the CLI still exits as Ctrl-C does
+    assert [(r.temperature, r.runs) for r in report.rows] == [(0.0, 2), (1.0, 1)]
+    assert report.interrupted == 6
+    assert "interrupted after 6 generations" in format_table(report)
+
+
+def test_quick_bench_runs_few_short_generations(packages, tmp_path):
+    """--quick: QUICK's settings and the first QUICK_PROMPTS prompts, where no option says
+    otherwise (-n here)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"def f{i}(x):" for i in range(9)) + "\n")
+    result = CliRunner().invoke(main, ["bench", str(packages["llama_noisy"]), "--quick",
+                                       "--prompts", str(prompts), "-n", "6"])
+    assert result.exit_code == 0, result.output
+    runs = 4 * (1 + len(QUICK.variants))  # per prompt: target-only and each variant
+    assert f"{runs} generations of 6 tokens (4 prompts x 1 repeats x 1 temperatures" \
+        in result.stderr
+    assert [line.split()[2] for line in result.stdout.splitlines()
+            if line.strip().startswith("0 ")] == ["adaptive", "fixed"]
+
+
+def test_the_bench_command_prints_the_partial_table_on_ctrl_c(packages, monkeypatch, tmp_path):
+    from edgespec import bench as benchmark
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n")
+
+    def interrupted(pipe, prompts, config, **kwargs):
+        raise BenchInterrupted(benchmark.BenchReport(config, prompts=len(prompts),
+                                                     interrupted=0))
+
+    monkeypatch.setattr(benchmark, "run_bench", interrupted)
+    result = CliRunner().invoke(main, ["bench", str(packages["llama_noisy"]), "--quick",
+                                       "--prompts", str(prompts)])
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.output
+    assert "interrupted after 0 generations" in result.stdout

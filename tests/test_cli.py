@@ -246,3 +246,22 @@ def test_the_command_line_starts_without_the_heavy_imports():
             "if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]"
+
+
+def test_build_demo_help_states_the_recipes_own_defaults():
+    """The budgets' defaults are RecipeConfig's, not a copy that drifts from it."""
+    from edgespec.models.recipe.config import RecipeConfig
+
+    result = run("models", "build-demo", "--help")
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0
+    config = RecipeConfig()
+    assert f"Target training budget. [default: {config.target_minutes}]" in text
+    assert f"Draft distillation budget. [default: {config.draft_minutes}]" in text
+
+
+def test_distill_help_states_the_aux_layers_rule():
+    from edgespec.export.aux_layers import RULE
+
+    text = " ".join(run("distill", "--help").output.split())
+    assert f"[default: {RULE}]" in text

@@ -74,3 +74,57 @@ def test_every_file_named_in_the_package_exists():
 def test_the_check_flags_a_bogus_name(text, flagged):
     found = missing_names(repository_files(), {"m.py": text})
     assert [entry.rsplit(" ", 1)[1] for entry in found] == flagged
+
+
+def layout_sections(readme: str) -> dict[str, str]:
+    """README's "## Layout" map: each top-level entry (``bench.py``, ``export/``) -> its text,
+    the lines up to the next entry."""
+    block = readme.split("## Layout", 1)[1].split("```")[1]
+    sections: dict[str, str] = {}
+    entry = None
+    for line in block.splitlines():
+        if re.match(r"  \S", line):
+            entry, _, line = line.strip().partition(" ")
+            sections[entry] = ""
+        if entry is not None:
+            sections[entry] += " " + line.strip()
+    return sections
+
+
+def unmapped(modules: list[str], sections: dict[str, str]) -> list[str]:
+    """The modules (paths under edgespec/, a package's __init__.py aside: its folder's entry
+    says what it is) that the map does not name: a top-level module by its own entry, one
+    in a folder by its file name in that folder's entry."""
+    missing = []
+    for module in modules:
+        parts = module.split("/")
+        if len(parts) == 1:
+            if parts[0] not in sections:
+                missing.append(module)
+        elif parts[-1] != "__init__.py" and not re.search(
+                rf"(?<![\w.]){re.escape(parts[-1])}(?![\w])", sections.get(parts[0] + "/", "")):
+            missing.append(module)
+    return missing
+
+
+def test_the_readme_layout_names_every_module():
+    modules = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py"))
+    sections = layout_sections((REPO / "README.md").read_text(encoding="utf-8"))
+    assert unmapped(modules, sections) == [], "README.md's Layout lacks these modules"
+
+
+def test_the_layout_check_flags_a_missing_or_misplaced_module():
+    sections = layout_sections("## Layout\n\n```\nedgespec/\n  bench.py      edgespec bench\n"
+                               "  export/       pair.py (checks),\n                fused.py\n"
+                               "  runtime/      session.py\n```\n")
+    assert unmapped(["bench.py", "export/pair.py", "export/fused.py", "runtime/__init__.py"],
+                    sections) == []
+    assert unmapped(["config.py", "export/session.py", "runtime/pair.py", "export/air.py"],
+                    sections) == ["config.py", "export/session.py", "runtime/pair.py",
+                                  "export/air.py"]
+
+
+def test_the_readme_states_the_aux_layers_rule_as_the_code_has_it():
+    from edgespec.export.aux_layers import RULE
+
+    assert RULE in " ".join((REPO / "README.md").read_text(encoding="utf-8").split())

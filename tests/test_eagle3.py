@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 from conftest import llama  # noqa: E402
 
 from edgespec.errors import ExportError  # noqa: E402
+from edgespec.export.aux_layers import check_aux_layers, default_aux_layers  # noqa: E402
 from edgespec.export.eagle3 import (  # noqa: E402
     Eagle3Head,
     HeadTensors,
@@ -185,12 +186,34 @@ def test_malformed_heads_are_refused_with_one_clear_error(target, head, tmp_path
 
 
 def test_default_aux_layers_need_a_deep_enough_target(target, tmp_path):
-    model, _ = target  # 3 layers: (2, 1, 0) fits; a 2-layer target's (2, 1, -1) does not
+    model, _ = target  # 3 layers: (L/4, L/2, L-1) = (0, 1, 2); a 2-layer target has no default
     folder = write_random_head(tmp_path / "h", model.config)
-    assert read_head_config(folder, model.config).aux_layers == (2, 1, 0)
+    assert read_head_config(folder, model.config).aux_layers == (0, 1, 2)
     model.config.num_hidden_layers = 2
     try:
         with pytest.raises(ExportError, match="needs eagle_config"):
             read_head_config(folder, model.config)
     finally:
         model.config.num_hidden_layers = 3
+
+
+@pytest.mark.parametrize("layers, expected", [(3, (0, 1, 2)), (4, (1, 2, 3)), (5, (1, 2, 4)),
+                                              (6, (1, 3, 5)), (7, (2, 3, 4)), (32, (2, 16, 29))])
+def test_one_rule_gives_three_different_aux_layers(layers, expected):
+    """The paper's (2, L/2, L-3) from 7 layers; below, where it would repeat a layer (or leave
+    the target), (L/4, L/2, L-1): never a repeat."""
+    assert default_aux_layers(layers) == expected
+
+
+def test_repeated_aux_layers_are_refused_in_one_line_where_they_are_chosen(target, tmp_path):
+    """A head trained here (head_config, --aux-layers) may not repeat a layer; a head's own
+    config says what it was trained on and is read as named."""
+    model, _ = target
+    with pytest.raises(ExportError, match=r"\(2, 2, 0\) repeat layer 2") as caught:
+        check_aux_layers((2, 2, 0), None)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ExportError, match=r"repeat layer 1"):
+        check_aux_layers([1, 1, 2], 3)
+    assert check_aux_layers((2, 0, 1), 3) == (2, 0, 1)
+    folder = write_random_head(tmp_path / "h", model.config, aux_layers=(1, 1, 2))
+    assert read_head_config(folder, model.config).aux_layers == (1, 1, 2)

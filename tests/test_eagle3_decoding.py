@@ -24,7 +24,7 @@ from edgespec.export.eagle3 import aux_features  # noqa: E402  (needs torch)
 
 T1 = SamplingConfig(temperature=1.0)
 PROMPT = "a b c"
-AUX = (0, 1, 1)  # two-layer targets: the default (2, L // 2, L - 3) needs six layers
+AUX = (0, 1, 1)  # two-layer targets have no default (aux_layers.py): the config names a repeat
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +225,12 @@ def test_the_package_says_its_draft_is_a_head(eagle):
     assert pipe.manifest.draft.architecture == "eagle3"
     assert pipe.manifest.draft.compute == "int8"  # quantized as drafts are
     assert "draft an EAGLE-3 head, 1 layers" in describe_package("p", pipe.path)[1]
+
+
+def test_a_head_is_chosen_as_the_model_and_reported_as_eagle3(eagle):
+    """``drafter="model"`` (and "auto") choose whatever draft the package has; the stats, and
+    so the bench's table, name what drafted: "eagle3" for a head."""
+    pipe = eagle["llama"][0]
+    for drafter in ("model", "auto"):
+        result = pipe.generate("a b", max_new_tokens=4, drafter=drafter, ignore_eos=True)
+        assert result.stats.drafter == "eagle3"

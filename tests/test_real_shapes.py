@@ -24,11 +24,18 @@ def rs():
 
 
 def test_expected_speedup_is_leviathans_with_sampling(rs):
+    """The runtime's cost model (schedule.py) with the sampling of each verified row counted."""
     target_ms = {n: 10.0 + n for n in range(1, rs.KMAX + 2)}
-    # k = 2, alpha 0.5: 1.75 tokens for 2 * 1 + 13 + 3 * 0.5 ms, against 11 + 0.5 ms a token
-    assert rs.expected_speedup(0.5, 2, 1.0, target_ms, 0.5, 0.5) == pytest.approx(
-        1.75 * 11.5 / 16.5)
-    assert rs.tokens_per_round(1.0, 3) == 4
+
+    def speedup(alpha, k):  # (1 - a^(k+1)) / (1 - a) tokens for k + (11 + k) + (k+1) 0.5 ms
+        tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+        return tokens * 11.5 / (k * 1.0 + 11 + k + (k + 1) * 0.5)
+
+    best = max(range(1, rs.KMAX + 1), key=lambda k: speedup(0.5, k))
+    k, value = rs.best_k(0.5, 1.0, target_ms, 0.5, 0.5)
+    assert k == best and value == pytest.approx(speedup(0.5, best))
+    # alpha 1 (every draft accepted): k + 1 tokens a round, no division by zero
+    assert rs.best_k(1.0, 0.0, dict.fromkeys(target_ms, 10.0), 0.0, 0.0) == (rs.KMAX, rs.KMAX + 1)
     # a free draft and flat verify cost: the largest k wins; a draft as dear as the target: k = 1
     flat = dict.fromkeys(target_ms, 10.0)
     assert rs.best_k(0.8, 0.0, flat, 0.0, 0.0)[0] == rs.KMAX

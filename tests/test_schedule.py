@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from edgespec.runtime.schedule import AdaptiveSchedule, HeuristicSchedule, StepCosts
+from edgespec.runtime.schedule import (
+    AdaptiveSchedule,
+    HeuristicSchedule,
+    StepCosts,
+    best_k,
+    expected_speedup,
+    expected_tokens,
+)
 
 # a target run costs 10 ms for one token and 1 ms more per extra token
 CHEAP_DRAFT = StepCosts(draft_step_ms=0.5, target_ms=tuple(10.0 + n for n in range(9)))
@@ -16,6 +23,23 @@ def test_tokens_per_ms_follows_the_geometric_acceptance_model():
     assert CHEAP_DRAFT.tokens_per_ms(0.5, 2) == pytest.approx(1.75 / 13)
     assert CHEAP_DRAFT.tokens_per_ms(1.0, 3) == pytest.approx(4 / 14.5)
     assert CHEAP_DRAFT.tokens_per_ms(0.3, 0) == pytest.approx(1 / 10)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1 - 1e-12, 0.999999])
+def test_a_draft_always_accepted_is_k_plus_one_tokens_not_a_division_by_zero(alpha):
+    """(1 - alpha^(k+1)) / (1 - alpha) is 0/0 at alpha = 1: its limit, k + 1, is what a round
+    yields; the benchmarks' copies divided by zero there and now call this one."""
+    assert expected_tokens(alpha, 4) == pytest.approx(5, rel=1e-5)
+    assert best_k(CHEAP_DRAFT, alpha) == CHEAP_DRAFT.kmax  # drafting more always pays
+    assert expected_speedup(alpha, 1, 0.5, 10, 10) == pytest.approx(2 * 10 / 10.5, rel=1e-5)
+    assert AdaptiveSchedule(CHEAP_DRAFT, prior_alpha=alpha).next_k() == CHEAP_DRAFT.kmax
+
+
+def test_best_k_is_the_k_of_most_tokens_per_ms_from_kmin():
+    rates = {k: CHEAP_DRAFT.tokens_per_ms(0.7, k) for k in range(9)}
+    assert best_k(CHEAP_DRAFT, 0.7) == max(rates, key=rates.get)
+    assert best_k(COSTLY_DRAFT, 0.1) == 0  # speculation off
+    assert best_k(COSTLY_DRAFT, 0.1, kmin=1) == 1  # the benchmarks' "best k of 1..kmax"
 
 
 def test_sampled_rounds_pay_for_the_extra_draft_run():

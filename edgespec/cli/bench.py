@@ -7,6 +7,7 @@ import json
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -15,6 +16,9 @@ from edgespec.cli.base import main, resolve_package, runtime, user_errors
 from edgespec.config import PROVIDERS, GenerationConfig
 
 _DEFAULTS = GenerationConfig()
+# --quick's settings, by option: edgespec/bench.py's QUICK (that module loads numpy and
+# onnxruntime, so it is read when the command runs); an option given explicitly wins
+_QUICK_OPTIONS = ("gammas", "temperatures", "schedules", "drafters", "max_new_tokens", "repeats")
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -36,8 +40,9 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Draft-length schedules, comma-separated: fixed runs every --gamma; "
                    "heuristic and adaptive (generate's default) run once with the largest.")
 @click.option("--drafter", "drafters", default="auto", show_default=True,
-              help="Drafters to compare, comma-separated: model, ngram, auto (model if the "
-                   "package has one, else ngram); each against target-only runs.")
+              help="Drafters to compare, comma-separated: model (the package's draft; an "
+                   "EAGLE-3 head's rows say eagle3), ngram, auto (model if the package has "
+                   "one, else ngram); each against target-only runs.")
 @click.option("--max-new-tokens", "-n", default=_DEFAULTS.max_new_tokens, show_default=True)
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
               help="Prompts, one per line (or JSON Lines of strings or of {\"messages\": "
@@ -49,11 +54,18 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Plot speedup against gamma to this PNG (needs matplotlib).")
 @click.option("--provider", default="auto", show_default=True,
               type=click.Choice(PROVIDERS))
+@click.option("--quick", is_flag=True,
+              help="A first look in minutes: greedy, the package's drafter, adaptive and fixed "
+                   "k = 4, 32 tokens, one run of the first 4 prompts (options given explicitly "
+                   "still apply).")
+@click.pass_context
 @user_errors
-def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, drafters: str,
-          max_new_tokens: int, prompts_file: Path | None, repeats: int, json_out: Path | None,
-          plot_out: Path | None, provider: str) -> None:
-    """Speedup of speculative over target-only decoding, measured side by side."""
+def bench(ctx: click.Context, package: Path | None, gammas: str, temperatures: str,
+          schedules: str, drafters: str, max_new_tokens: int, prompts_file: Path | None,
+          repeats: int, json_out: Path | None, plot_out: Path | None, provider: str,
+          quick: bool) -> None:
+    """Speedup of speculative over target-only decoding, measured side by side. Ctrl-C prints
+    the table of the runs finished so far."""
     load = runtime().load
     from edgespec import bench as benchmark
 
@@ -64,6 +76,11 @@ def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, 
     config = benchmark.BenchConfig(gamma_list, temperature_list, max_new_tokens, repeats,
                                    schedules=tuple(schedules.split(",")),
                                    drafters=tuple(drafters.split(",")))
+    if quick:  # QUICK's settings where the command line left an option at its default
+        default = click.core.ParameterSource.DEFAULT
+        config = replace(config, **{option: getattr(benchmark.QUICK, option)
+                                    for option in _QUICK_OPTIONS
+                                    if ctx.get_parameter_source(option) == default})
     if json_out:  # outputs checked now: the benchmark may take many minutes
         benchmark.check_writable(json_out, "--json")
     if plot_out:
@@ -72,13 +89,20 @@ def bench(package: Path | None, gammas: str, temperatures: str, schedules: str, 
     pipe = load(package, provider=provider)
     benchmark.check_drafters(pipe, config)
     prompts, where = benchmark.bench_prompts(pipe, prompts_file)
+    if quick:
+        prompts = prompts[: benchmark.QUICK_PROMPTS]
     total = benchmark.total_runs(config, len(prompts))
-    click.echo(f"benchmarking {package}: {total} generations of {max_new_tokens} tokens "
-               f"({len(prompts)} prompts x {repeats} repeats x {len(config.temperatures)} "
-               f"temperatures x {total // (len(prompts) * repeats * len(config.temperatures))} "
+    per_prompt = total // (len(prompts) * config.repeats * len(config.temperatures))
+    click.echo(f"benchmarking {package}: {total} generations of {config.max_new_tokens} tokens "
+               f"({len(prompts)} prompts x {config.repeats} repeats x "
+               f"{len(config.temperatures)} temperatures x {per_prompt} "
                f"settings, target-only included); prompts: {where}", err=True)
-    report = benchmark.run_bench(pipe, prompts, config, progress=_ProgressLines(total),
-                                 command=shlex.join(["edgespec", *sys.argv[1:]]))
+    try:
+        report = benchmark.run_bench(pipe, prompts, config, progress=_ProgressLines(total),
+                                     command=shlex.join(["edgespec", *sys.argv[1:]]))
+    except benchmark.BenchInterrupted as e:  # what was measured, then exit as Ctrl-C does
+        click.echo(benchmark.format_table(e.report))
+        raise
     click.echo(benchmark.format_table(report))
     if json_out:
         json_out.write_text(json.dumps(report.as_dict(), indent=2) + "\n")

@@ -8,7 +8,11 @@ from pathlib import Path
 import click
 
 from edgespec.cli.base import main, needs_export_extra, user_errors
+from edgespec.export.aux_layers import RULE as AUX_LAYERS_RULE
 from edgespec.models.named import MODELS
+from edgespec.models.recipe.config import RecipeConfig
+
+RECIPE = RecipeConfig()  # build-demo's defaults: the recipe's own
 
 
 @main.group()
@@ -61,24 +65,25 @@ def build(name: str, source: Path | None, overwrite: bool, target_compute: str |
 @models.command("build-demo")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Folder to create: checkpoints/ and package/ go inside.")
-@click.option("--target-minutes", type=float, help="Target training budget [default: 72].")
-@click.option("--draft-minutes", type=float, help="Draft distillation budget [default: 60].")
+@click.option("--target-minutes", type=float, default=RECIPE.target_minutes, show_default=True,
+              help="Target training budget.")
+@click.option("--draft-minutes", type=float, default=RECIPE.draft_minutes, show_default=True,
+              help="Draft distillation budget.")
 @click.option("--target-checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="A target trained before (e.g. checkpoints/demo/target): only the draft is "
                    "made, with that target's tokenizer.")
-@click.option("--threads", default=0, show_default=True, type=click.IntRange(0),
+@click.option("--threads", default=RECIPE.threads, show_default=True, type=click.IntRange(0),
               help="PyTorch's threads; 0: every usable core (1 is steadier beside other jobs).")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=RECIPE.seed, show_default=True)
 @user_errors
-def build_demo(out: Path, target_minutes: float | None, draft_minutes: float | None,
+def build_demo(out: Path, target_minutes: float, draft_minutes: float,
                target_checkpoint: Path | None, threads: int, seed: int) -> None:
     """Train the demo pair on this Python's standard library and export it (needs the export extra)."""
     if out.exists():
         raise click.ClickException(f"{out} already exists; choose another --out")
     recipe = needs_export_extra("edgespec.models.recipe")
-    budgets = {"target_minutes": target_minutes, "draft_minutes": draft_minutes}
-    config = recipe.RecipeConfig(seed=seed, threads=threads,
-                                 **{k: v for k, v in budgets.items() if v is not None})
+    config = recipe.RecipeConfig(seed=seed, threads=threads, target_minutes=target_minutes,
+                                 draft_minutes=draft_minutes)
     report = recipe.build_demo_package(out, config, target_checkpoint=target_checkpoint,
                                        progress=lambda line: click.echo(line, err=True))
     click.echo(
@@ -108,7 +113,8 @@ def build_demo(out: Path, target_minutes: float | None, draft_minutes: float | N
 @click.option("--tokens", type=click.IntRange(1000), default=150_000, show_default=True,
               help="--data code: tokens of continuations.")
 @click.option("--aux-layers", type=click.IntRange(0), nargs=3,
-              help="Target layers whose input streams the head reads [default: 2, L/2, L-3].")
+              help=f"Target layers whose input streams the head reads, three different ones "
+                   f"[default: {AUX_LAYERS_RULE}].")
 @click.option("--seed", default=0, show_default=True)
 @user_errors
 def distill(target: Path, out: Path, data: str, minutes: float, draft_vocab: int, steps: int,

@@ -27,8 +27,7 @@ The maths of one row (position j, token x, feature g [h]):
     r = r + mlp(RMSNorm_post(r))
     logits = lm_head(RMSNorm_final(r))  [draft_vocab];  hidden_out = r  [h]
 
-The aux layers default to (2, L // 2, L - 3) for an L-layer target (vLLM's and EAGLE's
-choice) unless the config names them.
+The aux layers are the config's, else aux_layers.default_aux_layers (the one rule for them).
 
 Training-time test: drafting position n+1 after n runs the head on (emb(draft_n), the head's
 own hidden_out of the row before) instead of a target feature; the drafter (runtime) does that.
@@ -48,6 +47,7 @@ import torch
 from torch import nn
 
 from edgespec.errors import ExportError, one_line, shown
+from edgespec.export.aux_layers import aux_layers_problem, default_aux_layers
 from edgespec.export.tensors import (MAX_JSON, CheckpointTensors, folder_file, read_json,
                                      safetensors_files)
 
@@ -96,11 +96,6 @@ class HeadConfig:
                            num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
                            intermediate_size=self.intermediate, rms_norm_eps=self.eps,
                            vocab_size=self.vocab, num_hidden_layers=1, **self.rope)
-
-
-def default_aux_layers(target_layers: int) -> tuple[int, int, int]:
-    """Low, middle and high: (2, L // 2, L - 3), as vLLM and the EAGLE repository pick them."""
-    return (2, target_layers // 2, target_layers - 3)
 
 
 def read_head_config(folder: Path, target_config) -> HeadConfig:
@@ -189,18 +184,22 @@ class _HeadFields:
 
 def _aux_layers(raw: dict, layers: int, problems: list[str]) -> tuple[int, ...]:
     """eagle_config.eagle_aux_hidden_state_layer_ids (or the key at the top level, or the
-    default): three layer ids of the target."""
+    default): three layer ids of the target (aux_layers.py: the default never repeats one; a
+    config may)."""
     eagle = raw.get("eagle_config") or {}
     if not isinstance(eagle, dict):
         problems.append(f"eagle_config {shown(eagle)} is not an object")
         eagle = {}
-    aux = (eagle.get("eagle_aux_hidden_state_layer_ids")
-           or raw.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(layers))
-    if not isinstance(aux, (list, tuple)) or len(aux) != 3 or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in aux):
-        problems.append(f"aux hidden-state layers {shown(aux)} must be three layer ids in "
-                        f"0..{layers - 1} of the target (a target of {layers} layers needs "
-                        "eagle_config.eagle_aux_hidden_state_layer_ids when under 6)")
+    aux = eagle.get("eagle_aux_hidden_state_layer_ids") or raw.get(
+        "eagle_aux_hidden_state_layer_ids")
+    try:
+        aux = aux or default_aux_layers(layers)
+    except ExportError as e:
+        problems.append(str(e))
+        return ()
+    problem = aux_layers_problem(aux, layers, repeats=True)
+    if problem:
+        problems.append(problem)
         return ()
     return tuple(aux)
 

@@ -20,7 +20,7 @@ session loads (fused.py says why): the file keeps the blocks, the session the sa
 A block with a minimum is computed as llama.cpp computes it: x . w = d (x . q) + m sum(x), the
 MatMulNBits with zero point 0 plus the block sums of x times the minimums (a float MatMul of
 K / 32 columns; fused.py). MatMulNBits' float zero points (-m / d) would hold the same numbers,
-but onnxruntime 1.32's CPU kernel takes a path about 20x slower for them. The graph then equals
+but onnxruntime's CPU kernel takes a slower path for them. The graph then equals
 llama.cpp's dequantization exactly for the types without a minimum, and to float rounding (the
 order of a sum) with one.
 """

@@ -50,9 +50,11 @@ from edgespec.runtime.stats import GenerationStats
 class Drafter:
     """Proposes draft tokens; subclasses answer ``next_row`` and ``rollback``.
 
-    Every drafter has a name (``name``: "model", "ngram", "none", as config.DRAFTERS and the
-    stats say it), its own or a named drafter's it extends: a subclass of Drafter without one
-    is refused when it is defined, so that none passes for another drafter, or for none.
+    Every drafter has a name (``name``: "model", "eagle3", "ngram", "none", as the stats and
+    the bench say it; config.DRAFTERS are the names a request chooses by, where "model" is
+    whichever draft the package has, a draft model or an EAGLE-3 head), its own or a named
+    drafter's it extends: a subclass of Drafter without one is refused when it is defined, so
+    that none passes for another drafter, or for none.
     """
 
     name: str
@@ -182,7 +184,7 @@ class Eagle3Drafter(Drafter):
     below length (the target's of rejected drafts go).
     """
 
-    name = "model"
+    name = "eagle3"
 
     def __init__(self, session: ModelSession, stats: GenerationStats, positions: int | None = None):
         self.session, self.stats = session, stats
@@ -362,10 +364,18 @@ def make_drafter(
 ) -> Drafter:
     """A fresh drafter for one generation (``name`` as ``resolve_drafter`` gives it; a draft
     model's cache starts with room for ``positions``)."""
-    if name == "model":
-        if getattr(draft, "reads_features", False):  # an EAGLE-3 head
-            return Eagle3Drafter(draft, stats, positions)
-        return ModelDrafter(draft, stats, positions)
-    if name == "ngram":
+    kind = drafter_class(name, draft)
+    if kind is NgramDrafter:
         return NgramDrafter(config.ngram_min, config.ngram_max, stats)
-    return NoDrafter()
+    if kind is NoDrafter:
+        return NoDrafter()
+    return kind(draft, stats, positions)
+
+
+def drafter_class(name: str, draft: ModelSession | None) -> type[Drafter]:
+    """Which drafter ``name`` (``resolve_drafter``'s) is with this package's ``draft``: "model"
+    is an EAGLE-3 head's drafter when the draft reads the target's features. Its ``name`` is
+    what the stats report."""
+    if name == "model":
+        return Eagle3Drafter if getattr(draft, "reads_features", False) else ModelDrafter
+    return {"ngram": NgramDrafter}.get(name, NoDrafter)

@@ -20,7 +20,7 @@ from edgespec.errors import ConfigError, GenerationError
 from edgespec.manifest import Manifest
 from edgespec.runtime import calibration
 from edgespec.runtime.chat import chat_prompt_ids, load_chat_template
-from edgespec.runtime.drafters import drafter_key, make_drafter, resolve_drafter
+from edgespec.runtime.drafters import drafter_class, drafter_key, make_drafter, resolve_drafter
 from edgespec.runtime.healing import Healing, PrefixIndex, heal
 from edgespec.runtime.inputs import check_ids, check_text, load_tokenizer
 from edgespec.runtime.schedule import (
@@ -203,7 +203,8 @@ class Pipeline:
             )
         drafter = resolve_drafter(config, has_draft=self.draft is not None)
         threads = {role: c.threads for role, c in self.session_configs.items()}
-        stats = GenerationStats(speculative=drafter != NO_DRAFTER, threads=threads, drafter=drafter)
+        stats = GenerationStats(speculative=drafter != NO_DRAFTER, threads=threads,
+                                drafter=drafter_class(drafter, self.draft).name)
         text: TextAssembler | None = None  # made once the prompt is healed (or not)
         cancelled = threading.Event()
 

@@ -66,6 +66,23 @@ def expected_tokens(alpha: float, k: int) -> float:
     return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+def expected_speedup(alpha: float, k: int, draft_ms: float, verify_ms: float,
+                     step_ms: float, sampled: bool = False) -> float:
+    """Leviathan et al.'s expected speedup with measured costs.
+
+    expected_tokens(alpha, k) tokens per round, at the cost of a round (round_ms: k draft
+    steps, one target run on k+1 tokens, the sampled round's extra draft step), against one
+    target step (``step_ms``) per token.
+    """
+    return expected_tokens(alpha, k) * step_ms / round_ms(k, draft_ms, verify_ms, alpha, sampled)
+
+
+def best_k(costs: StepCosts, alpha: float, sampled: bool = False, kmin: int = 0) -> int:
+    """The k in kmin..costs.kmax of the most expected tokens per ms (0: a plain target step)."""
+    return max(range(kmin, costs.kmax + 1),
+               key=lambda k: costs.tokens_per_ms(alpha, k, sampled))
+
+
 class Schedule(Protocol):
     def next_k(self) -> int:
         """Draft tokens wanted this round; 0 asks for a plain target step."""
@@ -139,9 +156,7 @@ class AdaptiveSchedule:
 
     def best_k(self) -> int:
         """The k of the highest expected tokens/ms at the current alpha (0: speculation off)."""
-        rates = [self.costs.tokens_per_ms(self.alpha, k, self.sampled)
-                 for k in range(self.costs.kmax + 1)]
-        return max(range(len(rates)), key=rates.__getitem__)
+        return best_k(self.costs, self.alpha, self.sampled)
 
     def next_k(self) -> int:
         best = self.best_k()

@@ -16,7 +16,7 @@ class GenerationStats:
     """
 
     speculative: bool
-    drafter: str = ""  # "model", "ngram" or "none" (runtime/drafters.py)
+    drafter: str = ""  # "model", "eagle3", "ngram" or "none" (runtime/drafters.py)
     # the prompt as decoded: with token healing, the user's without its last token
     prompt_tokens: int = 0
     # of them, those whose KV an earlier generation's caches held (runtime/prefix_cache.py):

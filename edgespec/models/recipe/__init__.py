@@ -22,7 +22,15 @@ Each training phase stops on a wall-clock budget: two runs with the same seed dr
 batches in the same order, but not necessarily the same number of them.
 """
 
-from edgespec.models.recipe.build import build_demo_package
-from edgespec.models.recipe.config import ModelShape, RecipeConfig
+from edgespec.models.recipe.config import ModelShape, RecipeConfig  # light: the CLI's defaults
+
+
+def __getattr__(name: str):
+    if name == "build_demo_package":  # imports torch: only when the recipe runs
+        from edgespec.models.recipe.build import build_demo_package
+
+        return build_demo_package
+    raise AttributeError(f"module 'edgespec.models.recipe' has no attribute {name!r}")
+
 
 __all__ = ["ModelShape", "RecipeConfig", "build_demo_package"]

@@ -3,7 +3,9 @@
 from dataclasses import dataclass
 
 from edgespec.errors import ConfigError
-from edgespec.models.recipe.tokenizer import EOS_TOKEN
+
+
+EOS_TOKEN = "<|endoftext|>"  # the tokenizer's BOS, EOS and pad (tokenizer.py)
 
 
 def _require(ok: bool, message: str) -> None:

@@ -1,11 +1,9 @@
 """Distilling the draft from the target's logits, computed once and kept sparse.
 
-Distillation used to run the target on every batch the draft trained on: the target's forward
-pass was most of each step (a 16.7M target against a 1.6M draft), so in 14 minutes the draft saw
-3.2M tokens. Here the target runs once over the training stream, cut into windows of the
-context length, and its top-K log-probabilities per position are kept (K = 64 of a 4,096-token
-vocabulary: ~0.7 GB for 2.7M tokens); the draft then trains on those windows for as many epochs
-as its budget allows, at its own speed.
+The target runs once over the training stream, cut into windows of the context length, and
+its top-K log-probabilities per position are kept (``distill_top_k`` of the vocabulary, ids and
+fp16 values); the draft then trains on those windows for as many epochs as its budget allows,
+at its own speed: the target's forward pass, many times the draft's, is not in its steps.
 
 The loss is KL(p || q) on the partition {each of the top-K tokens, everything else}: with
 P_j = p(top_j), Q_j = q(top_j) and the tails P_rest = 1 - sum_j P_j, Q_rest = 1 - sum_j Q_j,

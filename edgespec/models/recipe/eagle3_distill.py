@@ -14,6 +14,7 @@ import torch
 
 from edgespec.errors import EdgespecError
 from edgespec.export.destination import write_file
+from edgespec.export.aux_layers import check_aux_layers
 from edgespec.export.gguf_header import check_gguf
 from edgespec.models.recipe import chat_prompts
 from edgespec.models.recipe.eagle3_head import (Example, TrainableHead, TrainSettings,
@@ -87,6 +88,8 @@ def distill(target_path: Path, out: Path, data: str, minutes: float, draft_vocab
     if work.is_symlink():  # its files would be written wherever it points
         raise EdgespecError(f"{work} is a link; a head being distilled keeps its work in a "
                             "folder of its own: remove the link, or choose another --out")
+    if aux_layers is not None:  # repeats refused before any work (the depth once it is read)
+        check_aux_layers(aux_layers, None)
     if Path(target_path).suffix == ".gguf":  # before OUT is made (load_target checks it too)
         check_gguf(Path(target_path), "target")
     work.mkdir(parents=True, exist_ok=True)

@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from safetensors.torch import save as safetensors_bytes
 
 from edgespec.export.destination import write_file
-from edgespec.export.eagle3 import (ARCHITECTURES, D2T, T2D, Eagle3Head, HeadConfig, _rotate,
-                                    default_aux_layers)
+from edgespec.export.aux_layers import check_aux_layers, default_aux_layers
+from edgespec.export.eagle3 import ARCHITECTURES, D2T, T2D, Eagle3Head, HeadConfig, _rotate
 from edgespec.models.recipe.distill import sparse_kl, warmup_cosine
 
 Progress = Callable[[str], None]
@@ -62,13 +62,11 @@ class Example:
 
 def head_config(target_config, folder: Path, draft_vocab: int,
                 aux_layers: tuple[int, int, int] | None = None) -> HeadConfig:
-    """A head of the target's width, heads and MLP size, reading ``aux_layers`` (default: the
-    paper's low/middle/high, 2, L/2, L-3; a target under 8 layers reads L/4, L/2, L-1)."""
+    """A head of the target's width, heads and MLP size, reading ``aux_layers`` (three layers
+    of the target, checked; default: aux_layers.default_aux_layers)."""
     layers = target_config.num_hidden_layers
-    if aux_layers is None:
-        aux_layers = default_aux_layers(layers)
-        if len(set(aux_layers)) < 3 or min(aux_layers) < 0 or max(aux_layers) >= layers:
-            aux_layers = (layers // 4, layers // 2, layers - 1)  # shallow targets
+    aux_layers = (default_aux_layers(layers) if aux_layers is None
+                  else check_aux_layers(aux_layers, layers, repeats=True))
     heads = target_config.num_attention_heads
     rope = {"rope_theta": getattr(target_config, "rope_theta", 10000.0),
             "max_position_embeddings": target_config.max_position_embeddings}

@@ -7,9 +7,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from edgespec.models.recipe.config import EOS_TOKEN
 from edgespec.models.recipe.corpus import _read_source
-
-EOS_TOKEN = "<|endoftext|>"
 
 
 def train_tokenizer(files: Sequence[Path], vocab_size: int) -> PreTrainedTokenizerFast:

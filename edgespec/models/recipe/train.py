@@ -116,7 +116,7 @@ def _train(
     (``phase`` "target" or "draft": the config's ``<phase>_lr`` and ``<phase>_minutes``).
 
     AdamW with linear warmup then cosine decay to zero, both measured in fractions of the budget;
-    bf16 autocast, which about doubles training speed on CPU. Reports every tenth of the budget
+    bf16 autocast (faster than float32 on CPU). Reports every tenth of the budget
     and leaves the model in eval mode.
     """
     report = progress or _ignore
