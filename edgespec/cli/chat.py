@@ -94,6 +94,10 @@ def chat(package: Path | None, system: str | None, max_new_tokens: int | None,
     config = replace(config, sampling=resolve_sampling(given, pipe.manifest.generation))
     session = ChatSession(pipe, config, max_new_tokens, system)
     interactive = sys.stdin.isatty()
+    # any bytes a terminal or a pipe sends are a message: those that are not UTF-8 read as
+    # U+FFFD (input() decodes with sys.stdin's errors too), instead of ending the session
+    with contextlib.suppress(AttributeError):  # a stdin that is not a TextIOWrapper
+        sys.stdin.reconfigure(errors="replace")
     if interactive:
         with contextlib.suppress(ImportError):  # line editing and history at the prompt
             import readline  # noqa: F401
@@ -186,18 +190,30 @@ class ChatSession:
         its room (--max-new-tokens, else a quarter of the window, at most REPLY_ROOM)."""
         limit = self.pipe.manifest.max_positions
         room = self.max_new_tokens or min(REPLY_ROOM, limit // 4)
-        ids = self.pipe.encode_chat(self.system + self.history)
-        while len(ids) + room > limit and len(self.history) > 1:
+        ids, count = self._encoded()
+        while count + room > limit and len(self.history) > 1:
             del self.history[:2]  # the oldest user message and the reply to it
             if not self.said_trimmed:
                 click.echo(f"(the conversation outgrew the context window of {limit} tokens: "
                            "its oldest turns are dropped from now on)", err=True)
                 self.said_trimmed = True
-            ids = self.pipe.encode_chat(self.system + self.history)
-        if len(ids) >= limit:
-            raise EdgespecError(f"this message takes {len(ids)} tokens with the template, the "
-                                f"whole context window ({limit}); write less")
+            ids, count = self._encoded()
+        if ids is None or count >= limit:
+            raise EdgespecError(f"this message takes {'' if ids else 'at least '}{count} tokens "
+                                f"with the template, the whole context window ({limit}); "
+                                "write less")
         return ids
+
+    def _encoded(self) -> tuple[list[int] | None, int]:
+        """The conversation's ids and their count; past the context window, None and the
+        count (or the least it can be: the rendering child counts no further)."""
+        from edgespec.serve.text_process import TooManyTokens
+
+        try:
+            ids = self.pipe.encode_chat(self.system + self.history)
+        except TooManyTokens as e:
+            return None, e.count
+        return ids, len(ids)
 
     def _reply(self, ids: list[int]):
         """Stream the reply to stdout; Ctrl-C meanwhile cancels it (TextStream.cancel, from

@@ -138,6 +138,7 @@ class Pipeline:
         self.calibration: dict[int, str] = {}  # per kmax: "measured" or "stored" (read back)
         self._prefix_index: PrefixIndex | None = None  # token healing's, built on first use
         self._chat_template = None  # the package's, compiled on first use (needs jinja2)
+        self._bounded_text = None  # its tokenizing and rendering child, started on first use
         self.prefix_index_s = 0.0  # what building it took
         added = self.tokenizer.get_added_tokens_decoder()
         self.special_ids = {i for i, token in added.items() if token.special} | {
@@ -150,7 +151,7 @@ class Pipeline:
         if isinstance(prompt, (list, tuple)):  # not bytes, also a Sequence of ints
             return check_ids(prompt, self.manifest.vocab_size)
         check_text(prompt)
-        ids = self.manifest.with_bos(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
+        ids = self.bounded_text.encode(prompt)
         if not ids:
             raise GenerationError("the prompt is empty; give at least one character")
         return ids
@@ -167,7 +168,26 @@ class Pipeline:
         """A conversation's token ids: rendered with the package's chat template, which ends
         where the assistant's answer starts and writes its own special tokens (BOS among them:
         none is added here; runtime/chat.py)."""
-        return chat_prompt_ids(self.chat_template, self.tokenizer, messages)
+        return chat_prompt_ids(self.chat_template, self.bounded_text, messages)
+
+    @property
+    def bounded_text(self):
+        """The package's tokenizer and chat template in a child process bounded in time and
+        memory (``edgespec.serve.text_process.BoundedText``), started on first use: both come
+        with the package, so either may be hostile (a regex that backtracks for minutes, a
+        template that loops or allocates gigabytes in C code)."""
+        if self._bounded_text is None:
+            from edgespec.serve.prompts import text_bounds
+            from edgespec.serve.text_process import LIBRARY_TIMEOUT_S, BoundedText
+
+            m = self.manifest
+            source = name = None
+            if m.chat_template is not None:
+                source = (self.path / m.chat_template).read_text(encoding="utf-8")
+                name = Path(m.chat_template).name
+            self._bounded_text = BoundedText(self.path, source, name, LIBRARY_TIMEOUT_S,
+                                             text_bounds(self)[0], m.max_positions)
+        return self._bounded_text
 
     @property
     def prefix_index(self) -> PrefixIndex:

@@ -22,6 +22,8 @@ from datetime import datetime
 from pathlib import Path
 
 import jinja2
+from jinja2 import nodes
+from jinja2.compiler import CodeGenerator
 from jinja2.exceptions import SecurityError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -41,12 +43,26 @@ class ChatTemplateError(EdgespecError):
     """The package has no chat template, or its template refused or failed the conversation."""
 
 
+class _UnfoldedCodeGenerator(CodeGenerator):
+    """Jinja's compiler, folding no expression but plain text into constants: Jinja's
+    optimizer and its output step evaluate a constant expression while compiling, so
+    ``{{ 'x'|center(1500000000) }}`` would cost its gigabytes in whichever process compiles
+    the template (the server at start-up, ``edgespec chat``). Unfolded, it runs when rendered,
+    in the rendering process, under its bounds (text_process.py)."""
+
+    def _output_child_to_const(self, node, frame, finalize):
+        if not isinstance(node, nodes.TemplateData):
+            raise nodes.Impossible()
+        return super()._output_child_to_const(node, frame, finalize)
+
+
 class BoundedEnvironment(ImmutableSandboxedEnvironment):
     """Jinja's immutable sandbox with what one expression may build capped: ``range`` to
     RANGE_ITEMS, a string or list made by ``*``, ``+`` or ``%`` to ``max_chars`` items, an
     integer made by ``*`` or ``**`` to INTEGER_BITS bits. Past a cap: SecurityError."""
 
     intercepted_binops = frozenset({"*", "**", "%", "+"})
+    code_generator_class = _UnfoldedCodeGenerator
 
     def __init__(self, max_chars: int, **options):
         super().__init__(**options)
@@ -106,8 +122,10 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict, name: str = "chat template",
                  max_chars: int = 1 << 20):
         self.name, self.max_chars = name, max_chars
+        # optimized=False: the optimizer's folding, like the output step's, would run the
+        # template's constant expressions in the compiling process (_UnfoldedCodeGenerator)
         env = BoundedEnvironment(max_chars, trim_blocks=True, lstrip_blocks=True,
-                                 extensions=[loopcontrols])
+                                 extensions=[loopcontrols], optimized=False)
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
