@@ -29,7 +29,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from edgespec.config import is_int
-from edgespec.errors import EdgespecError, one_line
+from edgespec.errors import EdgespecError, shown
 from edgespec.manifest import Manifest
 
 RANGE_ITEMS = 10_000  # a template loops over messages, not millions of numbers
@@ -133,7 +133,7 @@ class ChatTemplate:
             self.template = env.from_string(source)
         except (jinja2.TemplateError, RecursionError, MemoryError) as e:
             raise ChatTemplateError(f"the package's chat template {name} does not compile "
-                                    f"({one_line(e, 300)}); re-export the pair") from None
+                                    f"({_said(e)}); re-export the pair") from None
         self.special_tokens = dict(special_tokens)
 
     @classmethod
@@ -147,7 +147,7 @@ class ChatTemplate:
             source = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ChatTemplateError(f"cannot read the chat template {path} "
-                                    f"({one_line(e, 300)}); "
+                                    f"({_said(e)}); "
                                     "re-export the pair") from None
         return cls(source, manifest.special_tokens, Path(manifest.chat_template).name, max_chars)
 
@@ -170,14 +170,21 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(
                 f"the chat template {self.name} refused the messages: "
-                f"{one_line(e, 300)}") from None
+                f"{_said(e)}") from None
         except MemoryError:  # past the rendering process's limit (text_process.py)
             raise ChatTemplateError(f"the chat template {self.name} ran out of memory "
                                     "rendering the conversation") from None
         except Exception as e:  # RecursionError, OverflowError, a filter's fault
             raise ChatTemplateError(f"the chat template {self.name} failed "
-                                    f"({type(e).__name__}: {one_line(e, 300)})") from None
+                                    f"({type(e).__name__}: {_said(e)})") from None
         return "".join(pieces)
+
+
+def _said(error: BaseException) -> str:
+    """What a template's fault says, as a message may show it: the text comes from the
+    template (raise_exception's message, a line of its source), so it is quoted with its
+    control characters escaped (a terminal's escape sequences among them) and cut."""
+    return shown(str(error), 300)
 
 
 class OutputTooLong(Exception):

@@ -19,7 +19,8 @@ count of a text or a conversation that tokenizes to more; the parent sends at mo
 ``max_ids`` ids to decode, whose text is at most ``max_chars`` characters (the longest token
 times the context window).
 
-    parent -> child   {"package", "template", "name", "max_chars", "max_ids"}   (once)
+    parent -> child   {"package", "template", "name", "max_chars", "max_ids",
+                       "special_tokens"}   (once; package None: render to text, no tokenizer)
     parent -> child   {"encode": text} | {"render": messages} | {"decode": ids}
     child  -> parent  {"ids": [...]} | {"count": n} (more than max_ids) | {"text": ...}
                       | {"error": ..., "kind": "template"|"native"}
@@ -39,7 +40,7 @@ import weakref
 from pathlib import Path
 
 import edgespec
-from edgespec.errors import EdgespecError, GenerationError, one_line
+from edgespec.errors import EdgespecError, GenerationError, shown
 from edgespec.runtime.chat import render_chat
 from edgespec.serve.chat import ChatTemplate, ChatTemplateError
 
@@ -163,12 +164,14 @@ class BoundedText:
     a signal interrupts), the child is killed and the next request starts another. The child
     holds the package's tokenizer and template (``source``, None without one)."""
 
-    def __init__(self, package: Path, source: str | None, name: str | None, timeout_s: float,
-                 max_chars: int, max_ids: int):
+    def __init__(self, package: Path | None, source: str | None, name: str | None,
+                 timeout_s: float, max_chars: int, max_ids: int,
+                 special_tokens: dict | None = None):
         self.name, self.timeout_s = name, timeout_s
         self.max_chars, self.max_ids = max_chars, max_ids
-        self._hello = json.dumps({"package": str(package), "template": source, "name": name,
-                                  "max_chars": max_chars, "max_ids": max_ids})
+        self._hello = json.dumps({"package": package and str(package), "template": source,
+                                  "name": name, "max_chars": max_chars, "max_ids": max_ids,
+                                  "special_tokens": special_tokens})
         self._process: subprocess.Popen | None = None
         self._buffer = b""
 
@@ -178,6 +181,11 @@ class BoundedText:
 
     def render(self, messages: list[dict]) -> list[int]:
         """As TextProcess.render."""
+        return self._ask({"render": messages}, "template")
+
+    def render_text(self, messages: list[dict]) -> str:
+        """The conversation as text, without a package (``package`` None: a checkpoint's
+        template, with its tokenizer's ``special_tokens``, which the caller tokenizes)."""
         return self._ask({"render": messages}, "template")
 
     def _ask(self, request: dict, what: str):
@@ -296,14 +304,17 @@ class _Child:
 
         from edgespec.manifest import Manifest
 
-        package = Path(hello["package"])
         self.max_ids = hello["max_ids"]
-        self.manifest = Manifest.read(package)  # loaded and checked by the parent already
-        self.tokenizer = Tokenizer.from_file(str(package / self.manifest.tokenizer))
+        self.tokenizer, special_tokens = None, hello.get("special_tokens") or {}
+        if hello["package"] is not None:  # else: templates alone, rendered to text
+            package = Path(hello["package"])
+            self.manifest = Manifest.read(package)  # loaded and checked by the parent already
+            self.tokenizer = Tokenizer.from_file(str(package / self.manifest.tokenizer))
+            special_tokens = self.manifest.special_tokens
         self.template, self.compile_error = None, None
         if hello["template"] is not None:
             try:
-                self.template = ChatTemplate(hello["template"], self.manifest.special_tokens,
+                self.template = ChatTemplate(hello["template"], special_tokens,
                                              hello["name"], hello["max_chars"])
             except ChatTemplateError as e:
                 self.compile_error = str(e)
@@ -316,6 +327,8 @@ class _Child:
                 text = render_chat(self.template, request["render"])
             except (ChatTemplateError, GenerationError) as e:
                 return {"error": str(e), "kind": "template"}
+            if self.tokenizer is None:
+                return {"text": text}
             return self._bounded(text, specials=False)
         if "encode" in request:
             return self._bounded(request["encode"], specials=True)
@@ -366,7 +379,7 @@ def main() -> None:
         except BaseException as e:  # a Rust panic is a BaseException; MemoryError too
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            reply = {"error": f"the tokenizer failed ({type(e).__name__}: {one_line(e, 200)})",
+            reply = {"error": f"the tokenizer failed ({type(e).__name__}: {shown(str(e), 200)})",
                      "kind": "native"}
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
