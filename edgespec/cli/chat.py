@@ -190,30 +190,18 @@ class ChatSession:
         its room (--max-new-tokens, else a quarter of the window, at most REPLY_ROOM)."""
         limit = self.pipe.manifest.max_positions
         room = self.max_new_tokens or min(REPLY_ROOM, limit // 4)
-        ids, count = self._encoded()
-        while count + room > limit and len(self.history) > 1:
+        ids = self.pipe.encode_chat(self.system + self.history)
+        while len(ids) + room > limit and len(self.history) > 1:
             del self.history[:2]  # the oldest user message and the reply to it
             if not self.said_trimmed:
                 click.echo(f"(the conversation outgrew the context window of {limit} tokens: "
                            "its oldest turns are dropped from now on)", err=True)
                 self.said_trimmed = True
-            ids, count = self._encoded()
-        if ids is None or count >= limit:
-            raise EdgespecError(f"this message takes {'' if ids else 'at least '}{count} tokens "
-                                f"with the template, the whole context window ({limit}); "
-                                "write less")
-        return ids
-
-    def _encoded(self) -> tuple[list[int] | None, int]:
-        """The conversation's ids and their count; past the context window, None and the
-        count (or the least it can be: the rendering child counts no further)."""
-        from edgespec.serve.text_process import TooManyTokens
-
-        try:
             ids = self.pipe.encode_chat(self.system + self.history)
-        except TooManyTokens as e:
-            return None, e.count
-        return ids, len(ids)
+        if len(ids) >= limit:
+            raise EdgespecError(f"this message takes {len(ids)} tokens with the template, the "
+                                f"whole context window ({limit}); write less")
+        return ids
 
     def _reply(self, ids: list[int]):
         """Stream the reply to stdout; Ctrl-C meanwhile cancels it (TextStream.cancel, from

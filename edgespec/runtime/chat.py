@@ -65,7 +65,7 @@ def render_chat(template: ChatTemplate, messages: Sequence[dict]) -> str:
 def chat_prompt_ids(template: ChatTemplate, text: BoundedText,
                     messages: Sequence[dict]) -> list[int]:
     """The conversation rendered (``render_chat``) and tokenized without special tokens, in
-    ``text``'s bounded child process; TooManyTokens past the context window."""
+    ``text``'s bounded child process."""
     ids = text.render(check_messages(messages))
     if not ids:
         raise GenerationError(f"the chat template {template.name} rendered the conversation "

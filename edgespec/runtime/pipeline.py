@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import warnings
@@ -185,8 +186,9 @@ class Pipeline:
             if m.chat_template is not None:
                 source = (self.path / m.chat_template).read_text(encoding="utf-8")
                 name = Path(m.chat_template).name
+            # every id, as the tokenizer gives them (the caller counts a text past the window)
             self._bounded_text = BoundedText(self.path, source, name, LIBRARY_TIMEOUT_S,
-                                             text_bounds(self)[0], m.max_positions)
+                                             text_bounds(self)[0], max_ids=sys.maxsize)
         return self._bounded_text
 
     @property

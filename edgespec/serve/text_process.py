@@ -53,13 +53,13 @@ class TokenizerError(EdgespecError):
     """The package's tokenizer failed, panicked, or passed its time or memory limit."""
 
 
-class TooManyTokens(GenerationError):
+class TooManyTokens(EdgespecError):
     """A text or a conversation tokenizes to more ids than the context window holds: to
     ``count`` of them, or (``partial``) at least as many (counted on a part of it)."""
 
     def __init__(self, count: int, limit: int, partial: bool = False):
-        super().__init__(f"the prompt has {'at least ' if partial else ''}{count} tokens but "
-                         f"the context window is {limit}; shorten the prompt")
+        super().__init__(f"{'at least ' if partial else ''}{count} tokens, more than the "
+                         f"context window of {limit}")
         self.count, self.limit, self.partial = count, limit, partial
 
 
