@@ -204,6 +204,30 @@ def test_ctrl_c_ends_edgespec_generate_while_the_tokenizer_is_busy(backtracking,
     assert stderr.strip().splitlines()[-1] == said and "Traceback" not in stderr
 
 
+@LINUX
+def test_ctrl_c_stops_a_render_in_edgespec_chat_and_the_session_goes_on(chat_package, tmp_path):
+    """Before: the render ran in the session's process, and Ctrl-C there ended the whole
+    session (exit 130, "interrupted"), unlike Ctrl-C during a reply. Now it ends the render's
+    child, the message is left out, and the next line is read."""
+    pkg = with_template(chat_package, tmp_path / "pkg", LOOPING)
+    process = subprocess.Popen([sys.executable, "-m", "edgespec", "chat", str(pkg)],
+                               stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        process.stdin.write("hi\n")
+        process.stdin.flush()
+        wait_until(lambda: child_running(process.pid), "rendering in the child", 60)
+        process.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        _, stderr = process.communicate("/bye\n", timeout=10)
+        assert time.monotonic() - start < 3
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 0, stderr
+    assert "(stopped before the reply" in stderr and "Traceback" not in stderr
+
+
 def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(Path(edgespec.__file__).parents[1])}
 

@@ -171,6 +171,11 @@ class ChatSession:
             self.history.pop()
             click.echo(f"error: {e}", err=True)
             return
+        except KeyboardInterrupt:  # Ctrl-C while the template renders: its child is ended
+            self.history.pop()
+            click.echo("(stopped before the reply; the message is left out of the history)",
+                       err=True)
+            return
         if text:  # a reply stopped early is kept as far as it went: the user read it
             self.history.append({"role": "assistant", "content": text})
         else:
