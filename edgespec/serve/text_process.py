@@ -213,6 +213,8 @@ class BoundedText:
     def _line(self, process: subprocess.Popen, deadline: float) -> bytes:
         """The child's next line, b"" if it ends first or writes past its bounds."""
         limit, fd = _reply_bytes(self.max_chars, self.max_ids), process.stdout.fileno()
+        if os.name == "nt":  # no select on pipes: a reader thread, waited on until the deadline
+            return _line_in_thread(process, deadline, limit)
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -241,6 +243,20 @@ class BoundedText:
         if self._process is not None:
             process, self._process = self._process, None
             _end(process)
+
+
+def _line_in_thread(process: subprocess.Popen, deadline: float, limit: int) -> bytes:
+    import threading
+
+    lines: list[bytes] = []
+    reader = threading.Thread(target=lambda: lines.append(process.stdout.readline(limit)),
+                              daemon=True)
+    reader.start()
+    reader.join(max(0.0, deadline - time.monotonic()))
+    if reader.is_alive():
+        raise TimeoutError
+    line = lines[0]
+    return line.rstrip(b"\n") if line.endswith(b"\n") else b""
 
 
 def _end(process: subprocess.Popen) -> None:
