@@ -84,6 +84,24 @@ def test_compiling_a_template_runs_none_of_it():
     assert template.name == "chat template"
 
 
+def test_the_server_starts_without_running_its_template(chat_package, tmp_path):
+    """Before: build_app compiled the template in the server's process, folding the constant
+    (a 100 MB string here, built four times over; 6.3 GB for center(1500000000)) at start-up,
+    outside the child's bounds."""
+    pytest.importorskip("starlette")
+    from edgespec.serve.app import build_app
+
+    pipe = edgespec.load(with_template(chat_package, tmp_path / "pkg",
+                                       "{{ 'x'|center(100000000) }}"))
+    tracemalloc.start()
+    try:
+        build_app(pipe)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 << 20
+
+
 @LINUX
 @pytest.mark.parametrize("source, match", [(LOOPING, "took more than 1 s"),
                                            (HUGE, "ran out of memory")])
