@@ -35,6 +35,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -174,6 +175,7 @@ class BoundedText:
                                   "special_tokens": special_tokens})
         self._process: subprocess.Popen | None = None
         self._buffer = b""
+        self._lock = threading.Lock()
 
     def encode(self, text: str) -> list[int]:
         """As TextProcess.encode."""
@@ -189,6 +191,10 @@ class BoundedText:
         return self._ask({"render": messages}, "template")
 
     def _ask(self, request: dict, what: str):
+        with self._lock:  # one request at a time in the child, whichever thread asks
+            return self._ask_child(request, what)
+
+    def _ask_child(self, request: dict, what: str):
         deadline = time.monotonic() + self.timeout_s
         try:
             process = self._started()
@@ -246,8 +252,6 @@ class BoundedText:
 
 
 def _line_in_thread(process: subprocess.Popen, deadline: float, limit: int) -> bytes:
-    import threading
-
     lines: list[bytes] = []
     reader = threading.Thread(target=lambda: lines.append(process.stdout.readline(limit)),
                               daemon=True)
