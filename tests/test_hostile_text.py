@@ -246,6 +246,23 @@ def test_ctrl_c_stops_a_render_in_edgespec_chat_and_the_session_goes_on(chat_pac
     assert "(stopped before the reply" in stderr and "Traceback" not in stderr
 
 
+def test_one_pipeline_tokenizes_for_threads_that_come_and_go():
+    """The bounded child outlives the thread that first asked (Linux ends a child with the
+    thread that started it): before its own starting thread, every other request here failed
+    with 'the tokenizer stopped its process'."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pipe = edgespec.load(demo_package())
+    texts = ["def f(x):" * (1 + i % 5) for i in range(16)]
+    want = [pipe.manifest.with_bos(pipe.tokenizer.encode(t, add_special_tokens=False).ids)
+            for t in texts]
+    for text, ids in zip(texts, want):  # each in a thread that ends after it
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(pipe.encode, text).result(timeout=30) == ids
+    with ThreadPoolExecutor(8) as pool:  # and many at once
+        assert list(pool.map(pipe.encode, texts, timeout=30)) == want
+
+
 def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(Path(edgespec.__file__).parents[1])}
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import select
@@ -38,6 +39,7 @@ import sys
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import edgespec
@@ -235,10 +237,10 @@ class BoundedText:
 
     def _started(self) -> subprocess.Popen:
         if self._process is None or self._process.poll() is not None:
-            self._process = subprocess.Popen(
-                CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            self._process = _spawner().submit(
+                subprocess.Popen, CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, env=_child_env(),
-                start_new_session=True)  # Ctrl-C reaches us, not the child: we end it
+                start_new_session=True).result()  # Ctrl-C reaches us, not the child
             self._buffer = b""
             self._process.stdin.write(self._hello.encode() + b"\n")
             weakref.finalize(self, _end, self._process)
@@ -249,6 +251,14 @@ class BoundedText:
         if self._process is not None:
             process, self._process = self._process, None
             _end(process)
+
+
+@functools.cache
+def _spawner() -> ThreadPoolExecutor:
+    """The thread that starts every BoundedText child: Linux kills a child when the *thread*
+    that started it ends (PR_SET_PDEATHSIG, _die_with_parent), so not a caller's thread,
+    which may end while the pipeline lives on, but one that lives as long as the process."""
+    return ThreadPoolExecutor(1, thread_name_prefix="edgespec-text-child")
 
 
 def _line_in_thread(process: subprocess.Popen, deadline: float, limit: int) -> bytes:
