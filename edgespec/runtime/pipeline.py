@@ -146,7 +146,8 @@ class Pipeline:
             i for i in (*m.eos_token_ids, m.bos_token_id, m.pad_token_id) if i is not None}
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """The prompt's token ids: text is tokenized (BOS first where the tokenizer adds one);
+        """The prompt's token ids: text is tokenized (BOS first where the tokenizer adds one;
+        in ``bounded_text``'s child, a TokenizerError past its time or memory limit);
         a sequence of ids is taken as it is, each checked to be in the vocabulary (a chat
         template's rendered text already holds its special tokens, BOS included)."""
         if isinstance(prompt, (list, tuple)):  # not bytes, also a Sequence of ints
