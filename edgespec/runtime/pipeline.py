@@ -23,7 +23,7 @@ from edgespec.runtime import calibration
 from edgespec.runtime.chat import chat_prompt_ids, load_chat_template
 from edgespec.runtime.drafters import drafter_key, make_drafter, resolve_drafter
 from edgespec.runtime.healing import Healing, PrefixIndex, heal
-from edgespec.runtime.inputs import check_ids, check_text, load_tokenizer
+from edgespec.runtime.inputs import check_ids, check_text, load_tokenizer, text_bounds
 from edgespec.runtime.schedule import (
     AdaptiveSchedule,
     FixedSchedule,
@@ -179,7 +179,6 @@ class Pipeline:
         with the package, so either may be hostile (a regex that backtracks for minutes, a
         template that loops or allocates gigabytes in C code)."""
         if self._bounded_text is None:
-            from edgespec.serve.prompts import text_bounds
             from edgespec.serve.text_process import LIBRARY_TIMEOUT_S, BoundedText
 
             m = self.manifest
@@ -189,7 +188,8 @@ class Pipeline:
                 name = Path(m.chat_template).name
             # every id, as the tokenizer gives them (the caller counts a text past the window)
             self._bounded_text = BoundedText(self.path, source, name, LIBRARY_TIMEOUT_S,
-                                             text_bounds(self)[0], max_ids=sys.maxsize)
+                                             text_bounds(self.tokenizer, m.max_positions)[0],
+                                             max_ids=sys.maxsize)
         return self._bounded_text
 
     @property
