@@ -263,6 +263,18 @@ def test_one_pipeline_tokenizes_for_threads_that_come_and_go():
         assert list(pool.map(pipe.encode, texts, timeout=30)) == want
 
 
+def test_the_bounded_child_needs_no_serve_extra(chat_package):
+    """The library's bounded child is the server's, but neither it nor the parent's side may
+    import the serve extra (Starlette, pydantic): the library runs without it."""
+    code = ("import sys, edgespec; pipe = edgespec.load(sys.argv[1]); "
+            "pipe.encode('hi'); pipe.encode_chat([{'role': 'user', 'content': 'hi'}]); "
+            "print(sorted(m for m in ('starlette', 'pydantic', 'uvicorn') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code, str(chat_package)], capture_output=True,
+                          text=True, env=_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(Path(edgespec.__file__).parents[1])}
 
