@@ -178,7 +178,7 @@ class Served:
     def text_child_running(self) -> bool:
         """Whether the server's tokenizer and template child is running (busy with a
         request), not asleep on its stdin (Linux: /proc)."""
-        return any(state == "R" for _, state in _children(self.process.pid))
+        return child_running(self.process.pid)
 
     def text_child(self) -> int | None:
         """The pid of the server's tokenizer and template child (Linux: /proc)."""
@@ -207,6 +207,11 @@ def read_all(sock: socket.socket) -> bytes:
     while chunk := sock.recv(65536):
         data += chunk
     return data
+
+
+def child_running(pid: int) -> bool:
+    """Whether a child of ``pid`` is running (busy), not asleep (Linux: /proc)."""
+    return any(state == "R" for _, state in _children(pid))
 
 
 def _children(pid: int) -> list[tuple[int, str]]:

@@ -94,6 +94,10 @@ def chat(package: Path | None, system: str | None, max_new_tokens: int | None,
     config = replace(config, sampling=resolve_sampling(given, pipe.manifest.generation))
     session = ChatSession(pipe, config, max_new_tokens, system)
     interactive = sys.stdin.isatty()
+    # any bytes a terminal or a pipe sends are a message: those that are not UTF-8 read as
+    # U+FFFD (input() decodes with sys.stdin's errors too), instead of ending the session
+    with contextlib.suppress(AttributeError):  # a stdin that is not a TextIOWrapper
+        sys.stdin.reconfigure(errors="replace")
     if interactive:
         with contextlib.suppress(ImportError):  # line editing and history at the prompt
             import readline  # noqa: F401
@@ -166,6 +170,11 @@ class ChatSession:
         except EdgespecError as e:
             self.history.pop()
             click.echo(f"error: {e}", err=True)
+            return
+        except KeyboardInterrupt:  # Ctrl-C while the template renders: its child is ended
+            self.history.pop()
+            click.echo("(stopped before the reply; the message is left out of the history)",
+                       err=True)
             return
         if text:  # a reply stopped early is kept as far as it went: the user read it
             self.history.append({"role": "assistant", "content": text})

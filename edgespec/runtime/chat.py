@@ -4,9 +4,9 @@ then tokenized without the tokenizer's own special tokens.
 The template writes every special token it wants, BOS included (transformers'
 ``apply_chat_template`` tokenizes its output with ``add_special_tokens=False`` for this
 reason): adding the tokenizer's BOS again would give ``[bos, bos, ...]``, a prompt the model
-never saw in training. ``render_chat`` is the one rendering, used by ``chat_prompt_ids`` (the
-library and the command line) and by the server's child process (serve/text_process.py), which
-tokenizes its text the same way but bounded in length.
+never saw in training. ``render_chat`` is the one rendering, done in the child process of
+serve/text_process.py (bounded in time and memory: the template comes with the package) for
+the server and, through ``chat_prompt_ids``, for the library and the command line.
 
 The template itself (a bounded Jinja sandbox, as transformers renders it) is
 ``edgespec.serve.chat.ChatTemplate``; it needs only jinja2, imported on first use so that
@@ -23,9 +23,8 @@ from edgespec.errors import GenerationError
 from edgespec.manifest import Manifest
 
 if TYPE_CHECKING:
-    from tokenizers import Tokenizer
-
     from edgespec.serve.chat import ChatTemplate
+    from edgespec.serve.text_process import BoundedText
 
 
 def load_chat_template(folder: Path, manifest: Manifest) -> ChatTemplate:
@@ -63,11 +62,11 @@ def render_chat(template: ChatTemplate, messages: Sequence[dict]) -> str:
     return template.render(check_messages(messages))
 
 
-def chat_prompt_ids(template: ChatTemplate, tokenizer: Tokenizer,
+def chat_prompt_ids(template: ChatTemplate, text: BoundedText,
                     messages: Sequence[dict]) -> list[int]:
-    """The conversation rendered (``render_chat``) and tokenized without special tokens."""
-    text = render_chat(template, messages)
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    """The conversation rendered (``render_chat``) and tokenized without special tokens, in
+    ``text``'s bounded child process."""
+    ids = text.render(check_messages(messages))
     if not ids:
         raise GenerationError(f"the chat template {template.name} rendered the conversation "
                               "as no tokens at all")

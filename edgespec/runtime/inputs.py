@@ -69,3 +69,25 @@ def check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
                 f"0..{vocab_size - 1}), got {i!r} in the list"
             )
     return [int(i) for i in ids]
+
+
+# The most a Unicode normalization (NFKC, a case fold) shrinks one character's UTF-8: a 4-byte
+# mathematical letter to an ASCII one
+NORMALIZED_SHRINK = 4
+
+
+def text_bounds(tokenizer: Tokenizer, window: int) -> tuple[int, int]:
+    """The longest text, in characters and in UTF-8 bytes, that some tokenization could fit
+    in a context ``window``: the window times the most one token of the vocabulary stands for.
+    A token's string takes at least as many UTF-8 bytes as the text it covers (a byte-level
+    token's characters are one byte each, 1 or 2 in UTF-8; a piece's "▁" is one space), so
+    the bytes catch a text of few characters and many bytes (emoji: 4 bytes, 4 tokens each)
+    before it is tokenized. A tokenizer that normalizes may shrink the text first: its bytes
+    bound is NORMALIZED_SHRINK times looser. (The server refuses prompts by them; the
+    tokenizing child bounds its replies and renders by them.)"""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    chars = max(1, max((len(token) for token in vocab), default=1))
+    utf8 = max(1, max((len(token.encode("utf-8")) for token in vocab), default=1))
+    if tokenizer.normalizer is not None:
+        utf8 *= NORMALIZED_SHRINK
+    return window * chars, window * utf8

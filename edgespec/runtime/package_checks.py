@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec.errors import ManifestError, one_line
+from edgespec.errors import ManifestError, one_line, shown
 
 KV_TYPES = ("tensor(float)", "tensor(float16)")
 # Text a tokenizer must take without a fault or a blow-up: printable ASCII, and a little of
@@ -198,8 +198,7 @@ def check_tokenizer(path: Path, tokenizer, fingerprint: dict | None) -> None:
     except BaseException as e:  # a panic in the tokenizers library, or its own errors
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        _refuse(path, f"fails on plain text ({type(e).__name__}: "
-                      f"{one_line(e)})")
+        _refuse(path, f"fails on plain text ({type(e).__name__}: {shown(str(e), 200)})")
 
 
 def _refuse(path: Path, what: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import warnings
@@ -22,7 +23,7 @@ from edgespec.runtime import calibration
 from edgespec.runtime.chat import chat_prompt_ids, load_chat_template
 from edgespec.runtime.drafters import drafter_class, drafter_key, make_drafter, resolve_drafter
 from edgespec.runtime.healing import Healing, PrefixIndex, heal
-from edgespec.runtime.inputs import check_ids, check_text, load_tokenizer
+from edgespec.runtime.inputs import check_ids, check_text, load_tokenizer, text_bounds
 from edgespec.runtime.schedule import (
     AdaptiveSchedule,
     FixedSchedule,
@@ -138,19 +139,21 @@ class Pipeline:
         self.calibration: dict[int, str] = {}  # per kmax: "measured" or "stored" (read back)
         self._prefix_index: PrefixIndex | None = None  # token healing's, built on first use
         self._chat_template = None  # the package's, compiled on first use (needs jinja2)
+        self._bounded_text = None  # its tokenizing and rendering child, started on first use
         self.prefix_index_s = 0.0  # what building it took
         added = self.tokenizer.get_added_tokens_decoder()
         self.special_ids = {i for i, token in added.items() if token.special} | {
             i for i in (*m.eos_token_ids, m.bos_token_id, m.pad_token_id) if i is not None}
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """The prompt's token ids: text is tokenized (BOS first where the tokenizer adds one);
+        """The prompt's token ids: text is tokenized (BOS first where the tokenizer adds one;
+        in ``bounded_text``'s child, a TokenizerError past its time or memory limit);
         a sequence of ids is taken as it is, each checked to be in the vocabulary (a chat
         template's rendered text already holds its special tokens, BOS included)."""
         if isinstance(prompt, (list, tuple)):  # not bytes, also a Sequence of ints
             return check_ids(prompt, self.manifest.vocab_size)
         check_text(prompt)
-        ids = self.manifest.with_bos(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
+        ids = self.bounded_text.encode(prompt)
         if not ids:
             raise GenerationError("the prompt is empty; give at least one character")
         return ids
@@ -167,7 +170,27 @@ class Pipeline:
         """A conversation's token ids: rendered with the package's chat template, which ends
         where the assistant's answer starts and writes its own special tokens (BOS among them:
         none is added here; runtime/chat.py)."""
-        return chat_prompt_ids(self.chat_template, self.tokenizer, messages)
+        return chat_prompt_ids(self.chat_template, self.bounded_text, messages)
+
+    @property
+    def bounded_text(self):
+        """The package's tokenizer and chat template in a child process bounded in time and
+        memory (``edgespec.serve.text_process.BoundedText``), started on first use: both come
+        with the package, so either may be hostile (a regex that backtracks for minutes, a
+        template that loops or allocates gigabytes in C code)."""
+        if self._bounded_text is None:
+            from edgespec.serve.text_process import LIBRARY_TIMEOUT_S, BoundedText
+
+            m = self.manifest
+            source = name = None
+            if m.chat_template is not None:
+                source = (self.path / m.chat_template).read_text(encoding="utf-8")
+                name = Path(m.chat_template).name
+            # every id, as the tokenizer gives them (the caller counts a text past the window)
+            self._bounded_text = BoundedText(self.path, source, name, LIBRARY_TIMEOUT_S,
+                                             text_bounds(self.tokenizer, m.max_positions)[0],
+                                             max_ids=sys.maxsize)
+        return self._bounded_text
 
     @property
     def prefix_index(self) -> PrefixIndex:

@@ -9,8 +9,10 @@ Trust model. Clients are untrusted: every input is bounded (middleware.py, serve
 A package is a folder someone gave you, and is trusted in part:
 
 - its chat template (Jinja) is data: compiled in a sandbox that caps what one expression may
-  build (chat.py), rendered in the child process under an address-space limit (Linux) and a
-  time limit, killed past either; a hostile template costs one 400 and a restarted child;
+  build and evaluates nothing while compiling (chat.py), rendered in the child process under
+  an address-space limit (Linux) and a time limit, killed past either; a hostile template
+  costs one 400 and a restarted child (the library and the command line use the same child:
+  BoundedText);
 - its tokenizer's encoding (normalizers and pre-tokenizers, where backtracking regexes live)
   runs in that child too, under the same limits: it cannot hang or bloat the server. Its
   decoder also runs in the server process (the text of generated ids, token healing), and

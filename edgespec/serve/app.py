@@ -35,7 +35,7 @@ from starlette.routing import Route
 
 from edgespec.config import NO_DRAFTER, resolve_sampling
 from edgespec.errors import EdgespecError
-from edgespec.runtime.inputs import check_ids
+from edgespec.runtime.inputs import check_ids, text_bounds
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.runtime.prefix_cache import PrefixCache
 from edgespec.serve import middleware, prompts
@@ -86,7 +86,7 @@ def build_app(pipe: Pipeline, config: ServeConfig | None = None) -> Starlette:
     """The ASGI app serving ``pipe`` with ``config``'s options (ServeConfig's defaults: the
     model named after the package folder, 8 requests waiting at most, loopback hosts only)."""
     config = config or ServeConfig()
-    max_chars, max_bytes = prompts.text_bounds(pipe)
+    max_chars, max_bytes = text_bounds(pipe.tokenizer, pipe.manifest.max_positions)
     template = ChatTemplate.of_package(pipe.path, pipe.manifest, max_chars)
     source = None if template is None else (
         pipe.path / pipe.manifest.chat_template).read_text(encoding="utf-8")

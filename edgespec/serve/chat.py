@@ -22,12 +22,14 @@ from datetime import datetime
 from pathlib import Path
 
 import jinja2
+from jinja2 import nodes
+from jinja2.compiler import CodeGenerator
 from jinja2.exceptions import SecurityError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from edgespec.config import is_int
-from edgespec.errors import EdgespecError, one_line
+from edgespec.errors import EdgespecError, shown
 from edgespec.manifest import Manifest
 
 RANGE_ITEMS = 10_000  # a template loops over messages, not millions of numbers
@@ -41,12 +43,26 @@ class ChatTemplateError(EdgespecError):
     """The package has no chat template, or its template refused or failed the conversation."""
 
 
+class _UnfoldedCodeGenerator(CodeGenerator):
+    """Jinja's compiler, folding no expression but plain text into constants: Jinja's
+    optimizer and its output step evaluate a constant expression while compiling, so
+    ``{{ 'x'|center(1500000000) }}`` would cost its gigabytes in whichever process compiles
+    the template (the server at start-up, ``edgespec chat``). Unfolded, it runs when rendered,
+    in the rendering process, under its bounds (text_process.py)."""
+
+    def _output_child_to_const(self, node, frame, finalize):
+        if not isinstance(node, nodes.TemplateData):
+            raise nodes.Impossible()
+        return super()._output_child_to_const(node, frame, finalize)
+
+
 class BoundedEnvironment(ImmutableSandboxedEnvironment):
     """Jinja's immutable sandbox with what one expression may build capped: ``range`` to
     RANGE_ITEMS, a string or list made by ``*``, ``+`` or ``%`` to ``max_chars`` items, an
     integer made by ``*`` or ``**`` to INTEGER_BITS bits. Past a cap: SecurityError."""
 
     intercepted_binops = frozenset({"*", "**", "%", "+"})
+    code_generator_class = _UnfoldedCodeGenerator
 
     def __init__(self, max_chars: int, **options):
         super().__init__(**options)
@@ -106,8 +122,10 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict, name: str = "chat template",
                  max_chars: int = 1 << 20):
         self.name, self.max_chars = name, max_chars
+        # optimized=False: the optimizer's folding, like the output step's, would run the
+        # template's constant expressions in the compiling process (_UnfoldedCodeGenerator)
         env = BoundedEnvironment(max_chars, trim_blocks=True, lstrip_blocks=True,
-                                 extensions=[loopcontrols])
+                                 extensions=[loopcontrols], optimized=False)
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
@@ -115,7 +133,7 @@ class ChatTemplate:
             self.template = env.from_string(source)
         except (jinja2.TemplateError, RecursionError, MemoryError) as e:
             raise ChatTemplateError(f"the package's chat template {name} does not compile "
-                                    f"({one_line(e, 300)}); re-export the pair") from None
+                                    f"({_said(e)}); re-export the pair") from None
         self.special_tokens = dict(special_tokens)
 
     @classmethod
@@ -129,7 +147,7 @@ class ChatTemplate:
             source = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ChatTemplateError(f"cannot read the chat template {path} "
-                                    f"({one_line(e, 300)}); "
+                                    f"({_said(e)}); "
                                     "re-export the pair") from None
         return cls(source, manifest.special_tokens, Path(manifest.chat_template).name, max_chars)
 
@@ -152,14 +170,21 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(
                 f"the chat template {self.name} refused the messages: "
-                f"{one_line(e, 300)}") from None
+                f"{_said(e)}") from None
         except MemoryError:  # past the rendering process's limit (text_process.py)
             raise ChatTemplateError(f"the chat template {self.name} ran out of memory "
                                     "rendering the conversation") from None
         except Exception as e:  # RecursionError, OverflowError, a filter's fault
             raise ChatTemplateError(f"the chat template {self.name} failed "
-                                    f"({type(e).__name__}: {one_line(e, 300)})") from None
+                                    f"({type(e).__name__}: {_said(e)})") from None
         return "".join(pieces)
+
+
+def _said(error: BaseException) -> str:
+    """What a template's fault says, as a message may show it: the text comes from the
+    template (raise_exception's message, a line of its source), so it is quoted with its
+    control characters escaped (a terminal's escape sequences among them) and cut."""
+    return shown(str(error), 300)
 
 
 class OutputTooLong(Exception):

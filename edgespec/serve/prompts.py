@@ -1,7 +1,8 @@
 """A request's prompt or conversation to token ids, within the context window: refused
-before tokenizing when no tokenization of its length could fit (text_bounds), tokenized or
-rendered in the child process (text_process.py) otherwise, and refused from its token count
-past the window; every wait on the child gives way to the server stopping."""
+before tokenizing when no tokenization of its length could fit (runtime/inputs.py's
+text_bounds), tokenized or rendered in the child process (text_process.py) otherwise, and
+refused from its token count past the window; every wait on the child gives way to the server
+stopping."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from edgespec.errors import EdgespecError
 from edgespec.runtime.inputs import check_ids, check_text
-from edgespec.runtime.pipeline import Pipeline
 from edgespec.serve.chat import ChatTemplateError
 from edgespec.serve.errors import ApiError, shutting_down
 from edgespec.serve.text_process import TokenizerError, TooManyTokens
@@ -21,28 +21,6 @@ if TYPE_CHECKING:
     from edgespec.serve.app import Server
 
 log = logging.getLogger("edgespec.serve")
-
-# The most a Unicode normalization (NFKC, a case fold) shrinks one character's UTF-8: a 4-byte
-# mathematical letter to an ASCII one
-NORMALIZED_SHRINK = 4
-
-
-def text_bounds(pipe: Pipeline) -> tuple[int, int]:
-    """The longest text, in characters and in UTF-8 bytes, that some tokenization could fit
-    in the context window: the window times the most one token of the vocabulary stands for.
-    A token's string takes at least as many UTF-8 bytes as the text it covers (a byte-level
-    token's characters are one byte each, 1 or 2 in UTF-8; a piece's "▁" is one space), so
-    the bytes catch a text of few characters and many bytes (emoji: 4 bytes, 4 tokens each)
-    before it is tokenized. A tokenizer that normalizes may shrink the text first: its bytes
-    bound is NORMALIZED_SHRINK times looser."""
-    vocab = pipe.tokenizer.get_vocab(with_added_tokens=True)
-    chars = max(1, max((len(token) for token in vocab), default=1))
-    utf8 = max(1, max((len(token.encode("utf-8")) for token in vocab), default=1))
-    if pipe.tokenizer.normalizer is not None:
-        utf8 *= NORMALIZED_SHRINK
-    window = pipe.manifest.max_positions
-    return window * chars, window * utf8
-
 
 def check_length(server: Server, prompt: str | list[int], param: str) -> None:
     """Refuse, before tokenizing, a text too long for any tokenization of it to fit."""

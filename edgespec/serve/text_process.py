@@ -1,5 +1,9 @@
 """Tokenizing and chat templates in a child process, bounded in time and memory.
 
+The server talks to it on its event loop (TextProcess); the library and the command line
+(``Pipeline.encode`` and ``encode_chat``, so ``edgespec generate`` and ``edgespec chat``)
+through BoundedText, the same child waited on with a deadline, which Ctrl-C also ends.
+
 Both come with the package, so both may be hostile, and neither can be stopped in-process: a
 tokenizer's normalizer runs in Rust holding the GIL (the event loop, the signal handlers and
 every other thread wait for it; a backtracking regex takes minutes), a template can loop for
@@ -15,7 +19,8 @@ count of a text or a conversation that tokenizes to more; the parent sends at mo
 ``max_ids`` ids to decode, whose text is at most ``max_chars`` characters (the longest token
 times the context window).
 
-    parent -> child   {"package", "template", "name", "max_chars", "max_ids"}   (once)
+    parent -> child   {"package", "template", "name", "max_chars", "max_ids",
+                       "special_tokens"}   (once; package None: render to text, no tokenizer)
     parent -> child   {"encode": text} | {"render": messages} | {"decode": ids}
     child  -> parent  {"ids": [...]} | {"count": n} (more than max_ids) | {"text": ...}
                       | {"error": ..., "kind": "template"|"native"}
@@ -25,16 +30,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
+import select
+import subprocess
 import sys
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import edgespec
-from edgespec.errors import EdgespecError, GenerationError, one_line
+from edgespec.errors import EdgespecError, GenerationError, shown
 from edgespec.runtime.chat import render_chat
 from edgespec.serve.chat import ChatTemplate, ChatTemplateError
 
+LIBRARY_TIMEOUT_S = 10.0  # a render or tokenizing in the library; the server's are its options
 MEMORY_BYTES = 1 << 30  # address space the child may add to what it holds after start-up
 PART_IDS = 4  # characters per id of a long text's first part, counted before the whole
 
@@ -109,38 +122,20 @@ class TextProcess:
                 self.kill()
                 raise self._fault(what, "stopped its process (out of memory, or crashed), or "
                                         "answered past its bounds")
-        reply = json.loads(line)
-        if "error" in reply:
-            error = ChatTemplateError if reply["kind"] == "template" else TokenizerError
-            raise error(reply["error"])
-        if "count" in reply:
-            raise TooManyTokens(reply["count"], self.max_ids, reply.get("partial", False))
-        return reply["ids"] if "ids" in reply else reply["text"]
+        return _answer(line, self.max_ids)
 
     def _fault(self, what: str, how: str) -> EdgespecError:
-        if what == "template":
-            return ChatTemplateError(f"the chat template {self.template.name} (or the tokenizer "
-                                     f"on its text) {how}")
-        return TokenizerError(f"the tokenizer {how}")
+        return _fault(self.template.name if self.template else None, what, how)
 
     async def _started(self) -> asyncio.subprocess.Process:
         if self._process is None or self._process.returncode is not None:
-            env = {**os.environ,
-                   "PYTHONPATH": os.pathsep.join(filter(None, [
-                       str(Path(edgespec.__file__).parents[1]), os.environ.get("PYTHONPATH")]))}
             self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "edgespec.serve.text_process",
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.DEVNULL, env=env,
+                *CHILD, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL, env=_child_env(),
                 start_new_session=True,  # Ctrl-C reaches the server, which ends the child
-                limit=self._reply_bytes())
+                limit=_reply_bytes(self.max_chars, self.max_ids))
             self._process.stdin.write(self._hello.encode() + b"\n")
         return self._process
-
-    def _reply_bytes(self) -> int:
-        """The longest reply line: max_chars of text, each character at most 12 bytes of
-        JSON (a surrogate pair escaped), or max_ids ids, each at most 11 bytes with ", "."""
-        return max(12 * self.max_chars, 11 * self.max_ids) + 4096
 
     async def start(self) -> None:
         """Start the child ahead of the first request."""
@@ -166,6 +161,159 @@ class TextProcess:
         reaping.add_done_callback(self._reaping.discard)
 
 
+class BoundedText:
+    """The same child for the library and the command line: a blocking request at a time,
+    waited on until ``timeout_s``; past it, or on Ctrl-C meanwhile (the wait is a select, which
+    a signal interrupts), the child is killed and the next request starts another. The child
+    holds the package's tokenizer and template (``source``, None without one)."""
+
+    def __init__(self, package: Path | None, source: str | None, name: str | None,
+                 timeout_s: float, max_chars: int, max_ids: int,
+                 special_tokens: dict | None = None):
+        self.name, self.timeout_s = name, timeout_s
+        self.max_chars, self.max_ids = max_chars, max_ids
+        self._hello = json.dumps({"package": package and str(package), "template": source,
+                                  "name": name, "max_chars": max_chars, "max_ids": max_ids,
+                                  "special_tokens": special_tokens})
+        self._process: subprocess.Popen | None = None
+        self._buffer = b""
+        self._lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        """As TextProcess.encode."""
+        return self._ask({"encode": text}, "tokenizer")
+
+    def render(self, messages: list[dict]) -> list[int]:
+        """As TextProcess.render."""
+        return self._ask({"render": messages}, "template")
+
+    def render_text(self, messages: list[dict]) -> str:
+        """The conversation as text, without a package (``package`` None: a checkpoint's
+        template, with its tokenizer's ``special_tokens``, which the caller tokenizes)."""
+        return self._ask({"render": messages}, "template")
+
+    def _ask(self, request: dict, what: str):
+        with self._lock:  # one request at a time in the child, whichever thread asks
+            return self._ask_child(request, what)
+
+    def _ask_child(self, request: dict, what: str):
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            process = self._started()
+            process.stdin.write(json.dumps(request).encode() + b"\n")
+            process.stdin.flush()
+            line = self._line(process, deadline)
+        except TimeoutError:
+            self.close()
+            raise _fault(self.name, what, f"took more than {self.timeout_s:g} s; it was "
+                                          "stopped") from None
+        except OSError:  # the child died (a broken pipe)
+            line = b""
+        except BaseException:  # Ctrl-C: the work stops with the child
+            self.close()
+            raise
+        if not line:
+            self.close()
+            raise _fault(self.name, what, "stopped its process (out of memory, or crashed), or "
+                                          "answered past its bounds")
+        return _answer(line, self.max_ids)
+
+    def _line(self, process: subprocess.Popen, deadline: float) -> bytes:
+        """The child's next line, b"" if it ends first or writes past its bounds."""
+        limit, fd = _reply_bytes(self.max_chars, self.max_ids), process.stdout.fileno()
+        if os.name == "nt":  # no select on pipes: a reader thread, waited on until the deadline
+            return _line_in_thread(process, deadline, limit)
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            if select.select([fd], [], [], left)[0]:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk or len(self._buffer) + len(chunk) > limit:
+                    return b""
+                self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
+
+    def _started(self) -> subprocess.Popen:
+        if self._process is None or self._process.poll() is not None:
+            self._process = _spawner().submit(
+                subprocess.Popen, CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, env=_child_env(),
+                start_new_session=True).result()  # Ctrl-C reaches us, not the child
+            self._buffer = b""
+            self._process.stdin.write(self._hello.encode() + b"\n")
+            weakref.finalize(self, _end, self._process)
+        return self._process
+
+    def close(self) -> None:
+        """End the child now and wait for it (the next request starts another)."""
+        if self._process is not None:
+            process, self._process = self._process, None
+            _end(process)
+
+
+@functools.cache
+def _spawner() -> ThreadPoolExecutor:
+    """The thread that starts every BoundedText child: Linux kills a child when the *thread*
+    that started it ends (PR_SET_PDEATHSIG, _die_with_parent), so not a caller's thread,
+    which may end while the pipeline lives on, but one that lives as long as the process."""
+    return ThreadPoolExecutor(1, thread_name_prefix="edgespec-text-child")
+
+
+def _line_in_thread(process: subprocess.Popen, deadline: float, limit: int) -> bytes:
+    lines: list[bytes] = []
+    reader = threading.Thread(target=lambda: lines.append(process.stdout.readline(limit)),
+                              daemon=True)
+    reader.start()
+    reader.join(max(0.0, deadline - time.monotonic()))
+    if reader.is_alive():
+        raise TimeoutError
+    line = lines[0]
+    return line.rstrip(b"\n") if line.endswith(b"\n") else b""
+
+
+def _end(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        process.kill()
+    for pipe in (process.stdin, process.stdout):
+        with contextlib.suppress(OSError):
+            pipe.close()
+    process.wait()
+
+
+CHILD = (sys.executable, "-m", "edgespec.serve.text_process")
+
+
+def _child_env() -> dict:
+    """The environment the child starts in: this edgespec first on its path."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(Path(edgespec.__file__).parents[1]), os.environ.get("PYTHONPATH")]))}
+
+
+def _reply_bytes(max_chars: int, max_ids: int) -> int:
+    """The longest reply line: max_chars of text, each character at most 12 bytes of JSON (a
+    surrogate pair escaped), or max_ids ids, each at most 11 bytes with ", "."""
+    return max(12 * max_chars, 11 * max_ids) + 4096
+
+
+def _answer(line: bytes, max_ids: int):
+    """A reply line as its ids or text, or the error it says."""
+    reply = json.loads(line)
+    if "error" in reply:
+        error = ChatTemplateError if reply["kind"] == "template" else TokenizerError
+        raise error(reply["error"])
+    if "count" in reply:
+        raise TooManyTokens(reply["count"], max_ids, reply.get("partial", False))
+    return reply["ids"] if "ids" in reply else reply["text"]
+
+
+def _fault(name: str | None, what: str, how: str) -> EdgespecError:
+    if what == "template":
+        return ChatTemplateError(f"the chat template {name} (or the tokenizer on its text) {how}")
+    return TokenizerError(f"the tokenizer {how}")
+
+
 def _limit_memory() -> None:
     """Linux: let the child grow by MEMORY_BYTES of address space at most: past it, Python
     raises MemoryError and Rust aborts the child, instead of the machine running out.
@@ -186,14 +334,17 @@ class _Child:
 
         from edgespec.manifest import Manifest
 
-        package = Path(hello["package"])
         self.max_ids = hello["max_ids"]
-        self.manifest = Manifest.read(package)  # loaded and checked by the parent already
-        self.tokenizer = Tokenizer.from_file(str(package / self.manifest.tokenizer))
+        self.tokenizer, special_tokens = None, hello.get("special_tokens") or {}
+        if hello["package"] is not None:  # else: templates alone, rendered to text
+            package = Path(hello["package"])
+            self.manifest = Manifest.read(package)  # loaded and checked by the parent already
+            self.tokenizer = Tokenizer.from_file(str(package / self.manifest.tokenizer))
+            special_tokens = self.manifest.special_tokens
         self.template, self.compile_error = None, None
         if hello["template"] is not None:
             try:
-                self.template = ChatTemplate(hello["template"], self.manifest.special_tokens,
+                self.template = ChatTemplate(hello["template"], special_tokens,
                                              hello["name"], hello["max_chars"])
             except ChatTemplateError as e:
                 self.compile_error = str(e)
@@ -206,6 +357,8 @@ class _Child:
                 text = render_chat(self.template, request["render"])
             except (ChatTemplateError, GenerationError) as e:
                 return {"error": str(e), "kind": "template"}
+            if self.tokenizer is None:
+                return {"text": text}
             return self._bounded(text, specials=False)
         if "encode" in request:
             return self._bounded(request["encode"], specials=True)
@@ -256,7 +409,7 @@ def main() -> None:
         except BaseException as e:  # a Rust panic is a BaseException; MemoryError too
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            reply = {"error": f"the tokenizer failed ({type(e).__name__}: {one_line(e, 200)})",
+            reply = {"error": f"the tokenizer failed ({type(e).__name__}: {shown(str(e), 200)})",
                      "kind": "native"}
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()

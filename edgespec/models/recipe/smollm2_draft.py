@@ -62,6 +62,25 @@ def load_target(path: Path) -> tuple[LlamaForCausalLM, object]:
     return model.eval(), tokenizer
 
 
+def chat_ids(tokenizer, conversations: list[list[dict]]) -> list[list[int]]:
+    """Each conversation as ``tokenizer.apply_chat_template(..., add_generation_prompt=True,
+    tokenize=True)`` makes it, but rendered in edgespec's bounded child process
+    (serve/text_process.py): the template comes with the checkpoint, so it may loop or
+    allocate gigabytes (transformers' Jinja even does so while compiling it). The text is then
+    tokenized without special tokens, as apply_chat_template tokenizes it."""
+    from edgespec.serve.text_process import LIBRARY_TIMEOUT_S, BoundedText
+
+    source = tokenizer.get_chat_template()  # a ValueError naming the problem if none
+    text = BoundedText(None, source, "of the target's tokenizer", LIBRARY_TIMEOUT_S,
+                       max_chars=1 << 20, max_ids=0,
+                       special_tokens=dict(tokenizer.special_tokens_map))
+    try:
+        return [tokenizer(text.render_text(messages), add_special_tokens=False).input_ids
+                for messages in conversations]
+    finally:
+        text.close()
+
+
 def answer(target, tokenizer, prompts: list[dict], new_tokens: int, top_k: int, batch: int,
            seed: int, eos: int, first_batch: int = 0) -> list[dict]:
     """The target's replies to ``prompts`` with its top K at each reply position.
@@ -72,8 +91,7 @@ def answer(target, tokenizer, prompts: list[dict], new_tokens: int, top_k: int, 
     Prompts are batched by length (less padding), left-padded; temperature turns per batch,
     batch ``first_batch`` first.
     """
-    rendered = [tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True,
-                                              tokenize=True) for p in prompts]
+    rendered = chat_ids(tokenizer, [p["messages"] for p in prompts])
     order = sorted(range(len(prompts)), key=lambda i: len(rendered[i]))
     records = [None] * len(prompts)
     start_time = time.perf_counter()
