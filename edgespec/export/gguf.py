@@ -33,7 +33,7 @@ import torch
 from edgespec.errors import ExportError, one_line
 from edgespec.export.pair import Checkpoint
 from edgespec.export.gguf_blocks import REPACKED, Packed, concat, repack
-from edgespec.export.gguf_header import FAMILIES, refuse_early
+from edgespec.export.gguf_header import refuse_early
 from edgespec.export.tensors import TensorIndex
 
 PERMUTED = ("llama",)  # architectures whose q/k rows llama.cpp's converter permutes
