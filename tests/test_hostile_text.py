@@ -208,7 +208,8 @@ def test_ctrl_c_ends_edgespec_generate_while_the_tokenizer_is_busy(backtracking,
     minute here, 95 s on a 44 KB prompt)."""
     process = subprocess.Popen([sys.executable, "-m", "edgespec", "generate", str(backtracking),
                                 SLOW_PROMPT, "-n", "2"], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True, env=_env())
+                               stderr=subprocess.PIPE, text=True, env=_env(),
+                               preexec_fn=_as_at_a_terminal)
     try:
         wait_until(lambda: child_running(process.pid), "tokenizing in the child", 60)
         process.send_signal(signum)
@@ -230,7 +231,8 @@ def test_ctrl_c_stops_a_render_in_edgespec_chat_and_the_session_goes_on(chat_pac
     pkg = with_template(chat_package, tmp_path / "pkg", LOOPING)
     process = subprocess.Popen([sys.executable, "-m", "edgespec", "chat", str(pkg)],
                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True, env=_env())
+                               stderr=subprocess.PIPE, text=True, env=_env(),
+                               preexec_fn=_as_at_a_terminal)
     try:
         process.stdin.write("hi\n")
         process.stdin.flush()
@@ -273,6 +275,13 @@ def test_the_bounded_child_needs_no_serve_extra(chat_package):
                           text=True, env=_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def _as_at_a_terminal() -> None:
+    """SIGINT as a terminal gives it (Python then raises KeyboardInterrupt): a shell that ran
+    the test suite in the background (``cmd &`` without job control) ignores it, and its
+    children would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _env() -> dict:
