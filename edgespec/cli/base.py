@@ -195,6 +195,36 @@ def check_chat_template(package: Path | None) -> Path:
     return path
 
 
+def sampling_options(command):
+    """The sampling options of ``generate`` and ``chat`` (each None unless given: the request,
+    else the package's defaults, else greedy, in that order)."""
+    options = [
+        click.option("--temperature", "-t", type=float,
+                     help="0 is greedy. [default: the package's, else 0]"),
+        click.option("--top-k", type=int,
+                     help="0 keeps all tokens. [default: the package's, else 0]"),
+        click.option("--top-p", type=float,
+                     help="1 keeps all tokens. [default: the package's, else 1]"),
+        click.option("--min-p", type=float,
+                     help="Keep tokens at least this likely relative to the likeliest "
+                          "(llama.cpp's min-p, at temperature 1); 0 keeps all. [default: the "
+                          "package's, else 0]"),
+        click.option("--repetition-penalty", type=float,
+                     help="Divide the positive logits of tokens already in the text by this, "
+                          "multiply the negative ones (transformers'); 1 is none. [default: "
+                          "the package's, else 1]"),
+        click.option("--presence-penalty", type=float,
+                     help="Subtract this from the logits of tokens generated at least once "
+                          "(OpenAI's, -2..2). [default: 0]"),
+        click.option("--frequency-penalty", type=float,
+                     help="Subtract this times its count from each generated token's logit "
+                          "(OpenAI's, -2..2). [default: 0]"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 def sampling_line(given: dict, package: dict) -> str:
     """"sampling: ..." as config.describe_sampling says it, with how to sample where the
     fallback (greedy) was taken."""

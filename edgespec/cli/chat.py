@@ -17,7 +17,8 @@ from pathlib import Path
 
 import click
 
-from edgespec.cli.base import check_chat_template, main, runtime, sampling_line, user_errors
+from edgespec.cli.base import (check_chat_template, main, runtime, sampling_line,
+                               sampling_options, user_errors)
 from edgespec.config import (
     DRAFTERS,
     PROVIDERS,
@@ -45,23 +46,7 @@ REPLY_ROOM = 512
 @click.option("--system", help="A system message that starts the conversation.")
 @click.option("--max-new-tokens", "-n", type=click.IntRange(1),
               help="The longest reply. [default: the rest of the context window]")
-@click.option("--temperature", "-t", type=float,
-              help="0 is greedy. [default: the package's, else 0]")
-@click.option("--top-k", type=int, help="0 keeps all tokens. [default: the package's, else 0]")
-@click.option("--top-p", type=float, help="1 keeps all tokens. [default: the package's, else 1]")
-@click.option("--min-p", type=float,
-              help="Keep tokens at least this likely relative to the likeliest (llama.cpp's "
-                   "min-p, at temperature 1); 0 keeps all. [default: the package's, else 0]")
-@click.option("--repetition-penalty", type=float,
-              help="Divide the positive logits of tokens already in the text by this, multiply "
-                   "the negative ones (transformers'); 1 is none. [default: the package's, "
-                   "else 1]")
-@click.option("--presence-penalty", type=float,
-              help="Subtract this from the logits of tokens generated at least once "
-                   "(OpenAI's, -2..2). [default: 0]")
-@click.option("--frequency-penalty", type=float,
-              help="Subtract this times its count from each generated token's logit "
-                   "(OpenAI's, -2..2). [default: 0]")
+@sampling_options
 @click.option("--seed", type=int, default=None, help="Seed for sampling.")
 @click.option("--gamma", "-k", default=_DEFAULTS.draft_length, show_default=True,
               help="Draft length k: every round's (fixed), the first (heuristic), the most "

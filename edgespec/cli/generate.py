@@ -16,6 +16,7 @@ from edgespec.cli.base import (
     main,
     needs_export_extra,
     runtime,
+    sampling_options,
     user_errors,
 )
 from edgespec.config import (
@@ -105,23 +106,7 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
 @main.command()
 @click.argument("args", nargs=-1, required=True, metavar="[PACKAGE] PROMPT")
 @click.option("--max-new-tokens", "-n", default=_DEFAULTS.max_new_tokens, show_default=True)
-@click.option("--temperature", "-t", type=float,
-              help="0 is greedy. [default: the package's, else 0]")
-@click.option("--top-k", type=int, help="0 keeps all tokens. [default: the package's, else 0]")
-@click.option("--top-p", type=float, help="1 keeps all tokens. [default: the package's, else 1]")
-@click.option("--min-p", type=float,
-              help="Keep tokens at least this likely relative to the likeliest (llama.cpp's "
-                   "min-p, at temperature 1); 0 keeps all. [default: the package's, else 0]")
-@click.option("--repetition-penalty", type=float,
-              help="Divide the positive logits of tokens already in the text by this, multiply "
-                   "the negative ones (transformers'); 1 is none. [default: the package's, "
-                   "else 1]")
-@click.option("--presence-penalty", type=float,
-              help="Subtract this from the logits of tokens generated at least once "
-                   "(OpenAI's, -2..2). [default: 0]")
-@click.option("--frequency-penalty", type=float,
-              help="Subtract this times its count from each generated token's logit "
-                   "(OpenAI's, -2..2). [default: 0]")
+@sampling_options
 @click.option("--gamma", "-k", default=_DEFAULTS.gamma, show_default=True,
               help="Draft length k: every round's (fixed), the first (heuristic), "
                    "the most (adaptive, up to 16).")
