@@ -39,6 +39,9 @@ def check_length(server: Server, prompt: str | list[int], param: str) -> None:
 async def unless_stopping(server: Server, awaitable: Awaitable):
     """The awaitable's result, or a 503 (the awaitable cancelled) if the server stops first."""
     task = asyncio.ensure_future(awaitable)
+    # a server stopping kills the child, so the task may end with the child's fault after the
+    # answer is a 503: its exception is taken here, not logged as "never retrieved"
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())
     stopping = asyncio.ensure_future(server.stopping.wait())
     try:
         await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
