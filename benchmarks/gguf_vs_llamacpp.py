@@ -304,6 +304,14 @@ def llama_lookup(bin_dir: Path, gguf_path: str, prompt_text: str, n: int, thread
             "accept_percent": grab(r"accept\s+=\s+([0-9.]+)%")}
 
 
+def run_record(result) -> dict:
+    """What one edgespec generation records: speed, drafting and its tokens."""
+    s = result.stats
+    return {"tokens_per_s": s.tokens_per_s, "new_tokens": s.new_tokens, "drafted": s.drafted,
+            "accepted": s.accepted, "acceptance": s.acceptance_rate if s.drafted else None,
+            "token_ids": result.token_ids}
+
+
 def cmd_lookup(args) -> dict:
     bin_dir = Path(args.llama)
     pipe = load_pipeline(args.pkg, args.threads)
@@ -324,12 +332,7 @@ def cmd_lookup(args) -> dict:
             for name, settings in configs.items():
                 r = pipe.generate(ids, max_new_tokens=args.n, temperature=0.0,
                                   draft_length=args.draft, token_healing=False, **settings)
-                s = r.stats
-                runs[name].append(
-                    {"tokens_per_s": s.tokens_per_s, "new_tokens": s.new_tokens,
-                     "drafted": s.drafted, "accepted": s.accepted,
-                     "acceptance": s.acceptance_rate if s.drafted else None,
-                     "token_ids": r.token_ids})
+                runs[name].append(run_record(r))
         row["runs"] = runs
         row["median_tokens_per_s"] = {k: statistics.median(x["tokens_per_s"] for x in v)
                                       for k, v in runs.items()}
@@ -434,11 +437,7 @@ def cmd_speculative(args) -> dict:
                     r = pipes[name].generate(ids, max_new_tokens=args.n, temperature=temperature,
                                       top_k=0, top_p=1.0, seed=seed, token_healing=False,
                                       **settings)
-                    s = r.stats
-                    runs[name].append({"tokens_per_s": s.tokens_per_s, "new_tokens": s.new_tokens,
-                                       "drafted": s.drafted, "accepted": s.accepted,
-                                       "acceptance": s.acceptance_rate if s.drafted else None,
-                                       "token_ids": r.token_ids})
+                    runs[name].append(run_record(r))
             row["runs"] = runs
             row["median_tokens_per_s"] = {k: statistics.median(x["tokens_per_s"] for x in v)
                                           for k, v in runs.items()}
