@@ -215,6 +215,26 @@ def test_greedy_output_with_ngram_drafting_is_target_only(packages, name):
     _assert_ngram_greedy_is_target_only(pipe)
 
 
+def _logits(pipe, tokens=(5, 9, 2, 7, 11)) -> np.ndarray:
+    session = pipe.target
+    return session.forward(np.array(tokens, np.int64), session.new_cache(8))
+
+
+def test_load_lets_go_of_the_tensors_it_made(packages, monkeypatch):
+    """The K-quant package's tensors made at load are dropped once onnxruntime holds its own
+    copies, and the logits are bit for bit those of a session that keeps them."""
+    from edgespec.runtime import unpack
+
+    package = packages["llama_k"]
+    assert unpack.read(package / "target")
+    pipe = edgespec.load(package)
+    assert pipe.target.session.edgespec_unpacked == {}
+    monkeypatch.setattr(unpack, "release_unpacked", lambda session, probe: 0)
+    kept = edgespec.load(package)
+    assert kept.target.session.edgespec_unpacked
+    np.testing.assert_array_equal(_logits(pipe), _logits(kept))
+
+
 def test_a_gguf_pair_quantized_draft_is_exact(files, tmp_path):
     """A GGUF target with a GGUF draft (a folder holding one .gguf): the pair checks pass and
     greedy output with the draft is target-only output; a draft asked to be int4 computes in
