@@ -249,6 +249,12 @@ def test_a_gguf_pair_quantized_draft_is_exact(files, tmp_path):
     assert weights["tensors"]["repacked"] == {"Q4_0": 4, "Q4_1": 8}
     assert weights["tensors"]["dequantized"] == {"Q8_0": 3} and weights["requantized"]
     assert manifest.draft.quantization == "int4"
+    import onnx  # the file's blocks stay blocks of 32; those quantized here are the widest
+    # that divide every matrix's input (hidden 64: precision.draft_block_size)
+    graph = onnx.load(str(tmp_path / "pair" / "draft" / "model.onnx"), load_external_data=False)
+    sizes = {a.i for n in graph.graph.node if n.op_type == "MatMulNBits"
+             for a in n.attribute if a.name == "block_size"}
+    assert sizes == {32, 64}
     pipe = edgespec.load(tmp_path / "pair")
     prompt = "for i in range(10):\n    print(i * i)\n"
     baseline = pipe.generate(prompt, max_new_tokens=24, drafter="none").token_ids
