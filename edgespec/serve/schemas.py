@@ -34,8 +34,9 @@ class Settings(_Body):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    # omitted: the package's defaults (its generation_config.json), else OpenAI's (1 and 1);
-    # OpenAI's range; 0 is greedy
+    # omitted: the package's defaults (its generation_config.json), else greedy (temperature 0,
+    # top_p 1), as in the library and the CLI (config.resolve_sampling; app._sampling), not
+    # OpenAI's 1 and 1; OpenAI's range; 0 is greedy
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
