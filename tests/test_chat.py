@@ -20,7 +20,7 @@ from edgespec.runtime.pipeline import Pipeline
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # exact settings: a fixed k that drafts (the pair's draft is a noisy copy of its target)
 DRAFTED = {"drafter": "model", "draft_length": 2, "schedule": "fixed"}
-DRAFTED_ARGS = ["--drafter", "model", "--gamma", "2", "--schedule", "fixed"]
+DRAFTED_ARGS = ["--drafter", "model", "--draft-length", "2", "--schedule", "fixed"]
 
 
 def run(*args: str, input: str | None = None):
@@ -255,7 +255,7 @@ def test_generate_chat_answers_one_message(chatml_package, pipe):
 
 def test_bench_runs_a_chat_package_on_the_task_prompts(chatml_package):
     result = run("bench", chatml_package, "-n", 2, "--repeats", 1, "--temperature", 0,
-                 "--gamma", 2, "--schedule", "fixed")
+                 "--draft-length", 2, "--schedule", "fixed")
     assert result.exit_code == 0, result.output
     assert "(12 prompts x 1 repeats" in result.stderr
     assert "prompts: edgespec's task prompts, through the chat template" in result.stderr
