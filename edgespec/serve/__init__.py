@@ -5,7 +5,7 @@ Jinja2, prometheus_client); the runtime does not import it. ``build_app`` is imp
 use, so that the tokenizing and template-rendering child (text_process.py) starts without
 the server's imports.
 
-Trust model. Clients are untrusted: every input is bounded (middleware.py, server.py, app.py).
+Trust model. Clients are untrusted: every input is bounded (middleware.py, transport.py, app.py).
 A package is a folder someone gave you, and is trusted in part:
 
 - its chat template (Jinja) is data: compiled in a sandbox that caps what one expression may
