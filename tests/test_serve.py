@@ -256,7 +256,7 @@ MESSAGES = [{"role": "system", "content": "Python"},  # the test pair's context:
 def test_chat_renders_as_transformers_does_with_one_bos(chat_package, tmp_path):
     from transformers import AutoTokenizer
 
-    from edgespec.serve.chat import ChatTemplate
+    from edgespec.runtime.chat_template import ChatTemplate
 
     pkg = tmp_path / "bos"  # a package whose tokenizer adds BOS to plain prompts
     with_manifest(chat_package, pkg, add_bos_token=True)

@@ -160,7 +160,7 @@ class Pipeline:
 
     @property
     def chat_template(self):
-        """The package's chat template (``edgespec.serve.chat.ChatTemplate``), compiled on
+        """The package's chat template (runtime/chat_template.py's ``ChatTemplate``), compiled on
         first use; a ChatTemplateError if the package has none."""
         if self._chat_template is None:
             self._chat_template = load_chat_template(self.path, self.manifest)
@@ -175,11 +175,11 @@ class Pipeline:
     @property
     def bounded_text(self):
         """The package's tokenizer and chat template in a child process bounded in time and
-        memory (``edgespec.serve.text_process.BoundedText``), started on first use: both come
+        memory (runtime/bounded_text.py's ``BoundedText``), started on first use: both come
         with the package, so either may be hostile (a regex that backtracks for minutes, a
         template that loops or allocates gigabytes in C code)."""
         if self._bounded_text is None:
-            from edgespec.serve.text_process import LIBRARY_TIMEOUT_S, BoundedText
+            from edgespec.runtime.bounded_text import LIBRARY_TIMEOUT_S, BoundedText
 
             m = self.manifest
             source = name = None

@@ -14,8 +14,8 @@ middleware.py.
 
 A request takes its place in the queue (worker.py) as soon as its body is read, before its
 prompt is tokenized or its template rendered, and both run in a child process
-(text_process.py) that is killed past a time limit; whatever waits for it gives up with a 503
-when the server starts to stop.
+(runtime/bounded_text.py, waited on by text_process.py) that is killed past a time limit;
+whatever waits for it gives up with a 503 when the server starts to stop.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from edgespec.config import FORMER_SETTINGS, resolve_sampling
 from edgespec.errors import EdgespecError
 from edgespec.runtime.inputs import check_ids, text_bounds
 from edgespec.runtime.pipeline import Pipeline
+from edgespec.runtime.chat_template import ChatTemplate
 from edgespec.runtime.prefix_cache import PrefixCache
 from edgespec.serve import middleware, prompts
-from edgespec.serve.chat import ChatTemplate
 from edgespec.serve.config import ServeConfig
 from edgespec.serve.errors import HANDLERS, ApiError, parse, shown, shutting_down
 from edgespec.serve.metrics import Metrics, RequestMetrics
