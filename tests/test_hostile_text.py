@@ -29,6 +29,7 @@ from edgespec.models import demo_package
 from edgespec.errors import ChatTemplateError, TokenizerError
 from edgespec.runtime import bounded_text
 from edgespec.runtime.chat_template import ChatTemplate
+from edgespec.serve import text_process
 
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"),
                            reason="the child's memory limit and /proc are Linux's")
@@ -156,11 +157,8 @@ def test_distilling_renders_the_checkpoints_template_as_transformers_does_within
     from transformers import PreTrainedTokenizerFast
 
     from edgespec.models.recipe.smollm2_draft import chat_ids
-    from edgespec.serve import text_process
 
-    # the recipe reads the timeout where it imports BoundedText from (serve/text_process.py
-    # re-exports runtime/bounded_text.py's for it): both are set
-    for module in (bounded_text, text_process):
+    for module in (bounded_text, text_process):  # the recipe imports it from serve/'s re-export
         monkeypatch.setattr(module, "LIBRARY_TIMEOUT_S", 1.0)
     manifest = json.loads((chat_package / "edgespec.json").read_text())
     tokenizer = PreTrainedTokenizerFast(
