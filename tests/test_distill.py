@@ -151,3 +151,15 @@ def test_distill_help_states_the_configs_defaults():
                           ("prompts", ", ".join(map(str, config.prompts)))):
         shown = re.search(r"\[default: ([^];]*)", chunks[option])
         assert shown and shown[1] == str(value), (option, shown and shown[1])
+
+
+def test_continuations_fewer_tokens_than_a_batch_still_make_one_batch():
+    """``--data code --tokens 1000`` asks for fewer continuations than one generated batch:
+    one whole batch is made (it was an 8-row store for 32 rows, a RuntimeError)."""
+    from edgespec.models.recipe.teacher import target_continuations
+
+    target = llama(50, 32, 1, seed=3)
+    stream = torch.randint(0, 50, (200,))
+    targets = target_continuations(target, stream, tokens=100, prompt_length=4, new_tokens=4,
+                                   top_k=2, seed=0)
+    assert targets.windows.shape == (32, 8) and targets.top_ids.shape == (32, 7, 2)

@@ -116,7 +116,7 @@ def target_continuations(target: LlamaForCausalLM, stream: torch.Tensor, tokens:
     report = progress or (lambda line: None)
     generator = torch.Generator().manual_seed(seed)
     length = prompt_length + new_tokens - 1  # positions predicted: the last token's row is not
-    count = max(_BATCH, tokens // length // _GEN_BATCH * _GEN_BATCH)
+    count = max(_GEN_BATCH, tokens // length // _GEN_BATCH * _GEN_BATCH)  # whole batches
     windows = torch.empty((count, length + 1), dtype=torch.long)
     top_ids, top_logp = _top_k_storage(count, length, top_k, target.config.vocab_size)
     report(f"draft: {count} continuations of {new_tokens} tokens by the target")
