@@ -2,6 +2,11 @@
 says how). The stages' data lives in OUT/work/ and each stage resumes from it; the head is
 written to OUT when training ends, and again on a second run (which trains on from the saved
 state when given more minutes).
+
+Any model family: chat prompts are rendered with the target's own chat template and its replies
+end at its own end tokens (teacher.end_tokens: Llama 3's ``<|eot_id|>`` as ChatML's
+``<|im_end|>``), which the head's vocabulary always keeps. A target that names no end token, or
+(``--data chat``) has no chat template, is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from edgespec.models.recipe.eagle3_head import (Example, TrainableHead, TrainSet
                                                 feature_stage, head_config, train_head,
                                                 write_head)
 from edgespec.models.recipe.teacher import (EndTokens, check_chat_template, end_tokens,
-                                            load_target, reply_vocabulary, teacher_stage)
+                                            load_target, reply_vocabulary,
+                                            target_continuations, teacher_stage)
 
 WORK = "work"
 
@@ -46,7 +52,6 @@ def code_examples(target, tokenizer, work: Path, config: DistillConfig, report
     train split), saved to ``work/teacher.pt``."""
     from edgespec.models.recipe.build import prepare_corpus
     from edgespec.models.recipe.config import RecipeConfig
-    from edgespec.models.recipe.teacher import target_continuations
 
     cached = work / "teacher.pt"
     if cached.is_file():
