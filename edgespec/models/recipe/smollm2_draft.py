@@ -38,7 +38,8 @@ from transformers import LlamaForCausalLM
 from edgespec.export.destination import write_file
 from edgespec.export.pair import read_checkpoint
 from edgespec.models.recipe.evaluate import held_out
-from edgespec.models.recipe.loop import Budget, LoopState, shuffled_batches, train_loop, warmup_cosine
+from edgespec.models.recipe.loop import (Budget, LoopState, shuffled_batches, train_loop,
+                                         warmup_cosine)
 from edgespec.models.recipe.losses import TopKRows, subset_index
 from edgespec.models.recipe.teacher import (end_tokens, load_target, reply_vocabulary,
                                             teacher_stage)
@@ -131,7 +132,8 @@ def train(draft, token_ids: np.ndarray, records: list[dict], held: list[dict], m
     embedding.requires_grad_(False)
     index = subset_index(token_ids, embedding.shape[0])
     head_rows = embedding[torch.from_numpy(token_ids).long()]  # [S, H], the restricted head
-    params = [p for n, p in draft.named_parameters() if n.startswith(("model.layers.", "model.norm."))]
+    params = [p for n, p in draft.named_parameters()
+              if n.startswith(("model.layers.", "model.norm."))]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     kl, alpha = evaluate(draft, head_rows, index, held)
     log(f"train: before (early exit): held-out KL {kl:.3f}, sum min(p,q) {alpha:.3f}")
