@@ -247,7 +247,7 @@ def answer(target, tokenizer, prompts: list[dict], new_tokens: int, top_k: int, 
         sampling = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
                     if temperature else {"do_sample": False})
         eos = end.stop[0] if len(end.stop) == 1 else list(end.stop)
-        with torch.inference_mode():  # float32: bf16 autocast halves a CPU decode step's speed
+        with torch.inference_mode():  # float32: bf16 autocast slows a CPU decode step
             out = target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                                   pad_token_id=end.pad, eos_token_id=eos, output_logits=True,
                                   return_dict_in_generate=True, **sampling)
