@@ -152,11 +152,12 @@ def test_a_templates_escape_sequences_are_shown_escaped(chat_package, tmp_path):
 
 def test_distilling_renders_the_checkpoints_template_as_transformers_does_within_bounds(
         chat_package, monkeypatch):
-    """Before: smollm2_draft.answer called apply_chat_template, whose Jinja folds constants
-    while compiling (HUGE: 6.3 GB in the training process) and has no deadline (LOOPING)."""
+    """Before: the teacher's answer (models/recipe/teacher.py) called apply_chat_template,
+    whose Jinja folds constants while compiling (HUGE: 6.3 GB in the training process) and has
+    no deadline (LOOPING)."""
     from transformers import PreTrainedTokenizerFast
 
-    from edgespec.models.recipe.smollm2_draft import chat_ids
+    from edgespec.models.recipe.teacher import chat_ids
 
     for module in (bounded_text, text_process):  # the recipe imports it from serve/'s re-export
         monkeypatch.setattr(module, "LIBRARY_TIMEOUT_S", 1.0)
