@@ -154,9 +154,9 @@ class _GenerationFields:
 
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    # Defaults from `edgespec bench` on the demo pair (benchmarks/RESULTS.md): adaptive with k up
-    # to 8 is close to the best fixed k, and unlike a fixed k it turns drafting down or off
-    # where a draft step is dear (real pairs on a CPU)
+    # Defaults from `edgespec bench` on the demo pair (benchmarks/RESULTS-archive.md, "Demo
+    # retrain"): adaptive with k up to 8 is close to the best fixed k, and unlike a fixed k it
+    # turns drafting down or off where a draft step is dear (real pairs on a CPU)
     draft_length: int = 8
     schedule: str = "adaptive"
     seed: int | None = None

@@ -29,7 +29,6 @@ from edgespec.models import demo_package
 from edgespec.errors import ChatTemplateError, TokenizerError
 from edgespec.runtime import bounded_text
 from edgespec.runtime.chat_template import ChatTemplate
-from edgespec.serve import text_process
 
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"),
                            reason="the child's memory limit and /proc are Linux's")
@@ -159,8 +158,7 @@ def test_distilling_renders_the_checkpoints_template_as_transformers_does_within
 
     from edgespec.models.recipe.teacher import chat_ids
 
-    for module in (bounded_text, text_process):  # the recipe imports it from serve/'s re-export
-        monkeypatch.setattr(module, "LIBRARY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(bounded_text, "LIBRARY_TIMEOUT_S", 1.0)
     manifest = json.loads((chat_package / "edgespec.json").read_text())
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=str(chat_package / "tokenizer.json"),

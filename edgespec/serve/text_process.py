@@ -18,8 +18,6 @@ from pathlib import Path
 from edgespec.errors import EdgespecError
 from edgespec.runtime.bounded_text import (
     CHILD,
-    LIBRARY_TIMEOUT_S,  # noqa: F401  (models/recipe's import, until it takes runtime's)
-    BoundedText,  # noqa: F401  (as LIBRARY_TIMEOUT_S)
     child_env,
     fault,
     read_reply,

@@ -203,10 +203,10 @@ def load_target(path: Path) -> tuple[LlamaForCausalLM, object]:
 def chat_ids(tokenizer, conversations: list[list[dict]]) -> list[list[int]]:
     """Each conversation as ``tokenizer.apply_chat_template(..., add_generation_prompt=True,
     tokenize=True)`` makes it, but rendered in edgespec's bounded child process
-    (serve/text_process.py): the template comes with the checkpoint, so it may loop or
+    (runtime/bounded_text.py): the template comes with the checkpoint, so it may loop or
     allocate gigabytes (transformers' Jinja even does so while compiling it). The text is then
     tokenized without special tokens, as apply_chat_template tokenizes it."""
-    from edgespec.serve.text_process import LIBRARY_TIMEOUT_S, BoundedText
+    from edgespec.runtime.bounded_text import LIBRARY_TIMEOUT_S, BoundedText
 
     source = tokenizer.get_chat_template()  # a ValueError naming the problem if none
     text = BoundedText(None, source, "of the target's tokenizer", LIBRARY_TIMEOUT_S,
