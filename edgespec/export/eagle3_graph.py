@@ -70,6 +70,7 @@ class _HeadBuilder(_Builder):
         self.model = None
         self.tensors, self.store = tensors, store
         self.tie, self.bits, self.int8_compute = False, bits, int8_compute
+        self.block_size = QUANT_BLOCK_SIZE
         self.token_ids, self.eagle_fc = None, None
         self.progress = lambda line: None
         self.nodes, self.constants = [], set()
