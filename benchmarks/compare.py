@@ -23,7 +23,9 @@ def edgespec_rows(data: dict) -> list[dict]:
                          "decode_tokens_per_s": r["baseline_tokens_per_s"], "speedup": None,
                          "acceptance": None})
         mode = "speculative" if r.get("schedule", "fixed") == "fixed" else r["schedule"]
-        rows.append({"temperature": r["temperature"], "mode": mode, "gamma": r["gamma"],
+        # "gamma": the draft length's name in the files of edgespec bench before it was renamed
+        draft_length = r["draft_length"] if "draft_length" in r else r["gamma"]
+        rows.append({"temperature": r["temperature"], "mode": mode, "gamma": draft_length,
                      "decode_tokens_per_s": r["tokens_per_s"], "speedup": r["speedup"],
                      "acceptance": r["acceptance_rate"]})
     return rows

@@ -48,8 +48,8 @@ def export(target: Path, draft: Path, out: Path, size: str, texts: list[Path],
 
 def bench(package: Path, args) -> dict:
     out = package.with_name(package.name + ".bench.json")
-    command = [EDGESPEC, "bench", str(package), "--draft-length", args.gamma, "--temperature",
-               args.temperatures, "--schedule", "fixed,adaptive", "-n", str(args.new_tokens),
+    command = [EDGESPEC, "bench", str(package), "--draft-length", args.draft_length,
+               "--temperature", args.temperatures, "--schedule", "fixed,adaptive", "-n", str(args.new_tokens),
                "--repeats", str(args.repeats), "--json", str(out)]
     if args.prompts:
         command += ["--prompts", str(args.prompts)]
@@ -66,13 +66,13 @@ def pair(args) -> None:
         manifest = json.loads((package / "edgespec.json").read_text())
         for row in report["rows"]:
             rows.append({"size": size, "draft_rows": manifest["draft"]["vocab_size"], **{
-                k: row[k] for k in ("temperature", "schedule", "gamma", "alpha", "speedup",
+                k: row[k] for k in ("temperature", "schedule", "draft_length", "alpha", "speedup",
                                     "draft_step_ms", "target_step_ms", "verify_ms")}})
     lines = ["| draft vocabulary | T | schedule | alpha | draft step ms | target step ms | c | "
              "speedup |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['size']} ({r['draft_rows']} rows) | {r['temperature']:g} | "
-                     f"{r['schedule']} k={r['gamma']} | {r['alpha']:.2f} | "
+                     f"{r['schedule']} k={r['draft_length']} | {r['alpha']:.2f} | "
                      f"{r['draft_step_ms']:.3f} | {r['target_step_ms']:.3f} | "
                      f"{r['draft_step_ms'] / r['target_step_ms']:.3f} | {r['speedup']:.2f}x |")
     finish(args, rows, lines)
@@ -140,7 +140,10 @@ def main() -> None:
         if name == "pair":
             p.add_argument("--target", type=Path, required=True)
             p.add_argument("--prompts", type=Path)
-            p.add_argument("--gamma", default="4")
+            p.add_argument("--draft-length", default="4")
+            # --gamma: its former name, kept so that recorded commands still run
+            p.add_argument("--gamma", dest="draft_length", default=argparse.SUPPRESS,
+                           help=argparse.SUPPRESS)
             p.add_argument("--temperatures", default="0,1")
             p.add_argument("--new-tokens", type=int, default=128)
             p.add_argument("--export-args", default="", help="more flags for edgespec export")

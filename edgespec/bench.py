@@ -1,6 +1,6 @@
 """``edgespec bench``: speculative against target-only decoding, measured side by side.
 
-For each temperature and gamma, target-only and speculative runs of the same prompts are
+For each temperature and draft length, target-only and speculative runs of the same prompts are
 interleaved in one process (so drift of a noisy machine hits both alike) and summarised by
 medians. From the step costs measured in those same runs it also gives the speedup the theory
 expects (Leviathan et al. 2023, Theorem 3.8, with the cost of verifying k+1 tokens measured
@@ -17,62 +17,20 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+# BenchConfig lives in config.py, light, so that the CLI's help shows its defaults
 from edgespec.config import (
-    DRAFTERS,
     NO_DRAFTER,
-    SCHEDULES,
+    BenchConfig,
     GenerationConfig,
     SamplingConfig,
-    check_draft_length,
 )
-from edgespec.errors import ConfigError, EdgespecError
+from edgespec.errors import EdgespecError
 from edgespec.manifest import PROMPTS_NAME
 from edgespec.runtime.drafters import resolve_drafter
 from edgespec.runtime.machine import describe, machine_info
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.runtime.schedule import expected_speedup
 from edgespec.runtime.stats import GenerationStats
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    gammas: tuple[int, ...] = (2, 4, 8)
-    temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
-    max_new_tokens: int = 128
-    repeats: int = 3
-    seed: int = 0
-    # generate's default (adaptive, k up to the largest gamma) beside every fixed gamma
-    schedules: tuple[str, ...] = ("adaptive", "fixed")
-    drafters: tuple[str, ...] = ("auto",)  # each runs every schedule and gamma
-
-    def __post_init__(self) -> None:
-        unknown = set(self.schedules) - set(SCHEDULES)
-        if unknown or not self.schedules:
-            raise ConfigError(f"schedules must be among {', '.join(SCHEDULES)}, got {self.schedules}")
-        drafters = set(DRAFTERS) - {NO_DRAFTER}  # none is the baseline every row is measured against
-        if set(self.drafters) - drafters or not self.drafters:
-            raise ConfigError(f"drafters must be among {', '.join(sorted(drafters))}, "
-                              f"got {self.drafters}")
-        if not self.gammas or min(self.gammas) < 1:
-            raise ConfigError(f"gammas must be >= 1, got {self.gammas}")
-        for gamma in self.gammas:  # each a fixed run's k, and the adaptive schedules' largest
-            check_draft_length("gamma", gamma)
-        if not self.temperatures or min(self.temperatures) < 0:
-            raise ConfigError(f"temperatures must be >= 0, got {self.temperatures}")
-        if self.repeats < 1:
-            raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
-        for temperature in self.temperatures:  # every run's settings, refused now, not mid-way
-            for drafter, schedule, gamma in self.variants:
-                GenerationConfig(self.max_new_tokens, SamplingConfig(temperature), gamma,
-                                 schedule, seed=self.seed, drafter=drafter)
-
-    @property
-    def variants(self) -> list[tuple[str, str, int]]:
-        """(drafter, schedule, gamma) to run: per drafter every gamma fixed, then the adaptive
-        schedules."""
-        fixed = [("fixed", g) for g in self.gammas] if "fixed" in self.schedules else []
-        others = [(s, max(self.gammas)) for s in self.schedules if s != "fixed"]
-        return [(d, *v) for d in self.drafters for v in others + fixed]
 
 
 @dataclass
@@ -82,7 +40,7 @@ class Row:
     temperature: float
     drafter: str  # "model", "eagle3" or "ngram": what drafted (runtime/drafters.py)
     schedule: str
-    gamma: int  # k when fixed; the starting or largest k otherwise
+    draft_length: int  # k when fixed; the starting or largest k otherwise
     baseline_tokens_per_s: float
     tokens_per_s: float
     speedup: float
@@ -101,7 +59,7 @@ class Row:
 # ``edgespec bench --quick``: a first look in about two minutes on an idle 2-core machine with
 # a SmolLM2-sized pair: greedy only, one drafter, adaptive and one fixed k, short generations,
 # one run of the first QUICK_PROMPTS prompts
-QUICK = BenchConfig(gammas=(4,), temperatures=(0.0,), max_new_tokens=32, repeats=1)
+QUICK = BenchConfig(draft_lengths=(4,), temperatures=(0.0,), max_new_tokens=32, repeats=1)
 QUICK_PROMPTS = 4
 
 
@@ -191,11 +149,11 @@ def _bench_temperature(pipe: Pipeline, prompts: list[str | list[int]], config: B
             base = GenerationConfig(config.max_new_tokens, sampling, drafter=NO_DRAFTER,
                                     seed=seed, ignore_eos=True)
             baseline = pipe.generate(prompt, base).stats
-            for drafter, schedule, gamma in config.variants:
-                spec = GenerationConfig(config.max_new_tokens, sampling, gamma, schedule,
+            for drafter, schedule, draft_length in config.variants:
+                spec = GenerationConfig(config.max_new_tokens, sampling, draft_length, schedule,
                                         seed=seed, ignore_eos=True, drafter=drafter)
                 pipe.prefix_cache.clear()
-                runs[drafter, schedule, gamma].append(
+                runs[drafter, schedule, draft_length].append(
                     (baseline, pipe.generate(prompt, spec).stats))
             finished(1 + len(config.variants))
 
@@ -211,7 +169,8 @@ def total_runs(config: BenchConfig, prompts: int) -> int:
     return len(config.temperatures) * config.repeats * prompts * (1 + len(config.variants))
 
 
-def summarise(temperature: float, drafter: str, schedule: str, gamma: int, pairs: list) -> Row:
+def summarise(temperature: float, drafter: str, schedule: str, draft_length: int,
+              pairs: list) -> Row:
     """Rates and speedups are medians over runs; acceptance and step costs pool all the runs'
     rounds and calls (GenerationStats.combined)."""
     median = statistics.median
@@ -224,14 +183,14 @@ def summarise(temperature: float, drafter: str, schedule: str, gamma: int, pairs
     # the formula assumes k drafted every round: not for the adaptive schedules, nor for the
     # n-gram lookup, which drafts only where it finds a match
     expected = (
-        expected_speedup(spec.alpha, gamma, draft_ms, verify_ms, step_ms, temperature > 0)
+        expected_speedup(spec.alpha, draft_length, draft_ms, verify_ms, step_ms, temperature > 0)
         if schedule == "fixed" and spec.drafter in ("model", "eagle3") else None
     )
     return Row(
         temperature=temperature,
         drafter=spec.drafter,
         schedule=schedule,
-        gamma=gamma,
+        draft_length=draft_length,
         baseline_tokens_per_s=median(b.tokens_per_s for b, _ in pairs),
         tokens_per_s=median(s.tokens_per_s for _, s in pairs),
         speedup=speedup,
@@ -336,7 +295,7 @@ def format_table(report: BenchReport) -> str:
            "finished (a temperature cut short has fewer)"] if report.interrupted is not None
           else []),
         "",
-        f"{'temp':>5} {'drafter':>7} {'schedule':>9} {'gamma':>5} {'target tok/s':>12} "
+        f"{'temp':>5} {'drafter':>7} {'schedule':>9} {'k':>3} {'target tok/s':>12} "
         f"{'spec tok/s':>10} "
         f"{'speedup':>7} {'accept':>6} {'alpha':>5} {'tok/call':>8} {'step':>5} {'draft':>5} "
         f"{'verify':>6} {'expected':>8} {'effic.':>6}",
@@ -345,7 +304,7 @@ def format_table(report: BenchReport) -> str:
         expected = f"{r.expected_speedup:>7.2f}x {r.efficiency:>6.0%}" if r.expected_speedup else (
             f"{'-':>8} {'-':>6}")
         lines.append(
-            f"{r.temperature:>5.2g} {r.drafter:>7} {r.schedule:>9} {r.gamma:>5} "
+            f"{r.temperature:>5.2g} {r.drafter:>7} {r.schedule:>9} {r.draft_length:>3} "
             f"{r.baseline_tokens_per_s:>12.1f} "
             f"{r.tokens_per_s:>10.1f} {r.speedup:>6.2f}x {r.acceptance_rate:>6.0%} "
             f"{r.alpha:>5.2f} {r.tokens_per_target_call:>8.2f} {r.target_step_ms:>5.2f} "
@@ -355,21 +314,21 @@ def format_table(report: BenchReport) -> str:
 
 
 def plot(report: BenchReport, path: Path) -> None:
-    """Speedup against gamma, one colour per temperature: measured solid, expected dashed."""
+    """Speedup against the draft length, one colour per temperature: measured solid, expected dashed."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for i, temperature in enumerate(report.config.temperatures):
         for drafter, marker in zip(dict.fromkeys(r.drafter for r in report.rows), "os^"):
             rows = [r for r in report.rows if r.temperature == temperature
                     and r.schedule == "fixed" and r.drafter == drafter]
-            gammas = [r.gamma for r in rows]
+            draft_lengths = [r.draft_length for r in rows]
             color = f"C{i}"
-            ax.plot(gammas, [r.speedup for r in rows], f"{marker}-", color=color,
+            ax.plot(draft_lengths, [r.speedup for r in rows], f"{marker}-", color=color,
                     label=f"T={temperature:g} {drafter}")
             if all(r.expected_speedup for r in rows):
-                ax.plot(gammas, [r.expected_speedup for r in rows], "--", color=color, alpha=0.6)
+                ax.plot(draft_lengths, [r.expected_speedup for r in rows], "--", color=color, alpha=0.6)
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("gamma (draft tokens per round)")
+    ax.set_xlabel("draft length k (draft tokens per round)")
     ax.set_ylabel("speedup over target-only")
     ax.set_title("edgespec: measured (solid) and expected (dashed)")
     ax.legend()

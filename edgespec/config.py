@@ -249,6 +249,51 @@ class GenerationConfig(_GenerationFields):
         return self.drafter != NO_DRAFTER
 
 
+@dataclass(frozen=True)
+class BenchConfig:
+    """What ``edgespec bench`` (edgespec/bench.py) runs: every drafter, schedule and draft
+    length at every temperature, ``repeats`` times over its prompts. Here, not in bench.py
+    (which loads the runtime), so that the CLI's help shows these defaults."""
+
+    draft_lengths: tuple[int, ...] = (2, 4, 8)
+    temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
+    max_new_tokens: int = 128
+    repeats: int = 3
+    seed: int = 0
+    # generate's default (adaptive, k up to the largest draft length) beside every fixed one
+    schedules: tuple[str, ...] = ("adaptive", "fixed")
+    drafters: tuple[str, ...] = ("auto",)  # each runs every schedule and draft length
+
+    def __post_init__(self) -> None:
+        unknown = set(self.schedules) - set(SCHEDULES)
+        if unknown or not self.schedules:
+            raise ConfigError(f"schedules must be among {', '.join(SCHEDULES)}, got {self.schedules}")
+        drafters = set(DRAFTERS) - {NO_DRAFTER}  # none is the baseline every row is measured against
+        if set(self.drafters) - drafters or not self.drafters:
+            raise ConfigError(f"drafters must be among {', '.join(sorted(drafters))}, "
+                              f"got {self.drafters}")
+        if not self.draft_lengths:
+            raise ConfigError("draft_lengths must name at least one draft length")
+        for draft_length in self.draft_lengths:  # each a fixed run's k, the adaptive's largest
+            check_draft_length("draft_lengths", draft_length)
+        if not self.temperatures or min(self.temperatures) < 0:
+            raise ConfigError(f"temperatures must be >= 0, got {self.temperatures}")
+        if self.repeats < 1:
+            raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
+        for temperature in self.temperatures:  # every run's settings, refused now, not mid-way
+            for drafter, schedule, draft_length in self.variants:
+                GenerationConfig(self.max_new_tokens, SamplingConfig(temperature), draft_length,
+                                 schedule, seed=self.seed, drafter=drafter)
+
+    @property
+    def variants(self) -> list[tuple[str, str, int]]:
+        """(drafter, schedule, draft_length) to run: per drafter every draft length fixed, then
+        the adaptive schedules."""
+        fixed = [("fixed", k) for k in self.draft_lengths] if "fixed" in self.schedules else []
+        others = [(s, max(self.draft_lengths)) for s in self.schedules if s != "fixed"]
+        return [(d, *v) for d in self.drafters for v in others + fixed]
+
+
 def check_draft_length(name: str, value: object) -> None:
     """The draft length's range, in the caller's name for it (an option, a former name)."""
     if not (is_int(value) and 1 <= value <= MAX_DRAFT_LENGTH):

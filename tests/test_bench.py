@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -45,19 +46,19 @@ def test_alpha_counts_only_the_draft_tokens_verification_looked_at():
 
 def test_a_short_bench_reports_every_configuration(packages):
     pipe = edgespec.load(packages["llama_noisy"])
-    config = BenchConfig(gammas=(1, 3), temperatures=(0.0, 1.0), max_new_tokens=16, repeats=2,
-                         schedules=("fixed", "heuristic"))
+    config = BenchConfig(draft_lengths=(1, 3), temperatures=(0.0, 1.0), max_new_tokens=16,
+                         repeats=2, schedules=("fixed", "heuristic"))
     calls = []
     report = run_bench(pipe, ["def add(a, b):", "The quick"], config, progress=calls.append)
     assert calls[-1] == 2 * 2 * 2 * 4
-    assert [(r.temperature, r.schedule, r.gamma) for r in report.rows] == [
+    assert [(r.temperature, r.schedule, r.draft_length) for r in report.rows] == [
         (0, "heuristic", 3), (0, "fixed", 1), (0, "fixed", 3),
         (1, "heuristic", 3), (1, "fixed", 1), (1, "fixed", 3),
     ]
     for row in report.rows:
         assert row.runs == 4 and row.speedup > 0
         if row.schedule == "fixed":
-            assert len(row.per_position_acceptance) == row.gamma
+            assert len(row.per_position_acceptance) == row.draft_length
             assert row.efficiency == pytest.approx(row.speedup / row.expected_speedup)
         else:
             assert row.expected_speedup is None
@@ -76,13 +77,33 @@ def test_bench_command_writes_json(packages, tmp_path):
     assert result.exit_code == 0, result.output
     assert "speedup" in result.stdout and "expected" in result.stdout
     report = json.loads(out.read_text())
-    assert report["rows"][0]["gamma"] == 2
+    assert report["rows"][0]["draft_length"] == 2
     # what the ratios were measured on travels with them
     machine = report["machine"]
     assert machine["cores"] >= 1 and machine["onnxruntime"].startswith("onnxruntime")
     assert {"cpu", "caches", "load_average_at_start", "memory_bytes"} <= set(machine)
     assert report["sessions"]["target"]["threads"] >= 0 and report["command"].startswith("edgespec ")
     assert "machine: " in result.output and "sessions: target" in result.output
+
+
+def test_bench_help_states_the_configs_defaults():
+    """The options' defaults are BenchConfig's, not copies that drift from it."""
+    help_text = CliRunner().invoke(main, ["bench", "--help"]).output
+    chunks = {chunk.split()[0]: " ".join(chunk.split())  # each option's own lines
+              for chunk in re.split(r"\n\s+(?:-n, )?--", help_text)[1:]}
+    config = BenchConfig()
+    for option, value in (("draft-length", config.draft_lengths),
+                          ("temperature", config.temperatures),
+                          ("schedule", config.schedules), ("drafter", config.drafters),
+                          ("max-new-tokens", config.max_new_tokens),
+                          ("repeats", config.repeats)):
+        shown = re.search(r"\[default: ([^]]*)\]", chunks[option])
+        assert shown, option
+        if isinstance(value, tuple):  # comma-separated, each read as the config's type
+            read = tuple(type(v)(x) for v, x in zip(value, shown[1].replace(" ", "").split(",")))
+            assert read == value and shown[1].count(",") == len(value) - 1, (option, shown[1])
+        else:
+            assert shown[1] == str(value), (option, shown[1])
 
 
 def test_bench_refuses_bad_lists(packages):
@@ -135,7 +156,7 @@ def test_run_bench_refuses_an_empty_prompt_list(packages):
     from edgespec.errors import EdgespecError
 
     with pytest.raises(EdgespecError, match="no prompts"):
-        run_bench(edgespec.load(packages["gpt2"]), [], BenchConfig(gammas=(1,), repeats=1))
+        run_bench(edgespec.load(packages["gpt2"]), [], BenchConfig(draft_lengths=(1,), repeats=1))
 
 
 def test_read_prompts_refuses_prompts_that_are_not_strings(tmp_path):
@@ -149,7 +170,7 @@ def test_read_prompts_refuses_prompts_that_are_not_strings(tmp_path):
 
 def test_bench_compares_drafters_and_refuses_one_the_package_lacks(packages, checkpoints, tmp_path):
     pipe = edgespec.load(packages["llama_noisy"])
-    config = BenchConfig(gammas=(2,), temperatures=(0.0,), max_new_tokens=12, repeats=1,
+    config = BenchConfig(draft_lengths=(2,), temperatures=(0.0,), max_new_tokens=12, repeats=1,
                          schedules=("fixed", "adaptive"), drafters=("model", "ngram"))
     report = run_bench(pipe, ["a b a b a b", "def add(a, b):"], config)
     assert [(r.drafter, r.schedule) for r in report.rows] == [
@@ -172,7 +193,7 @@ def test_ctrl_c_keeps_the_rows_measured_so_far(packages):
     """Interrupted in its second temperature, the bench still hands over the first one's rows
     and those of the second's finished prompts, and its table says it was cut short."""
     pipe = edgespec.load(packages["llama_noisy"])
-    config = BenchConfig(gammas=(2,), temperatures=(0.0, 1.0), max_new_tokens=8, repeats=1,
+    config = BenchConfig(draft_lengths=(2,), temperatures=(0.0, 1.0), max_new_tokens=8, repeats=1,
                          schedules=("fixed",))
 
     def progress(done: int) -> None:

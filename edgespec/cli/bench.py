@@ -13,12 +13,13 @@ from pathlib import Path
 import click
 
 from edgespec.cli.base import deprecated_flag, main, resolve_package, runtime, user_errors
-from edgespec.config import PROVIDERS, GenerationConfig, check_draft_length
+from edgespec.config import PROVIDERS, BenchConfig, check_draft_length
 
-_DEFAULTS = GenerationConfig()
+_DEFAULTS = BenchConfig()
 # --quick's settings, by option: edgespec/bench.py's QUICK (that module loads numpy and
 # onnxruntime, so it is read when the command runs); an option given explicitly wins
-_QUICK_OPTIONS = ("gammas", "temperatures", "schedules", "drafters", "max_new_tokens", "repeats")
+_QUICK_OPTIONS = ("draft_lengths", "temperatures", "schedules", "drafters", "max_new_tokens",
+                  "repeats")
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -29,18 +30,26 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
 
+def _listed(values: tuple) -> str:
+    """A default tuple as its option takes it: comma-separated, numbers as short as they go."""
+    return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
+
+
 @main.command()
 @click.argument("package", required=False, type=click.Path(path_type=Path))
-@click.option("--draft-length", "gammas", default="2,4,8", show_default=True,
+@click.option("--draft-length", "draft_lengths", default=_listed(_DEFAULTS.draft_lengths),
+              show_default=True,
               help="Draft lengths to compare, comma-separated (the largest is the adaptive "
                    "schedule's most, as generate's --draft-length).")
-@click.option("--gamma", "former_gammas", hidden=True, help="Deprecated: --draft-length.")
-@click.option("--temperature", "temperatures", default="0,0.7,1", show_default=True,
+@click.option("--gamma", "former_draft_lengths", hidden=True, help="Deprecated: --draft-length.")
+@click.option("--temperature", "temperatures", default=_listed(_DEFAULTS.temperatures),
+              show_default=True,
               help="Temperatures, comma-separated.")
-@click.option("--schedule", "schedules", default="adaptive,fixed", show_default=True,
+@click.option("--schedule", "schedules", default=_listed(_DEFAULTS.schedules),
+              show_default=True,
               help="Draft-length schedules, comma-separated: fixed runs every --draft-length; "
                    "heuristic and adaptive (generate's default) run once with the largest.")
-@click.option("--drafter", "drafters", default="auto", show_default=True,
+@click.option("--drafter", "drafters", default=_listed(_DEFAULTS.drafters), show_default=True,
               help="Drafters to compare, comma-separated: model (the package's draft; an "
                    "EAGLE-3 head's rows say eagle3), ngram, auto (model if the package has "
                    "one, else ngram); each against target-only runs.")
@@ -49,7 +58,8 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Prompts, one per line (or JSON Lines of strings or of {\"messages\": "
                    "[...]}, rendered through the chat template). Default: the package's "
                    "prompts.jsonl, else, with a chat template, edgespec's task prompts.")
-@click.option("--repeats", default=3, show_default=True, help="Runs of each prompt.")
+@click.option("--repeats", default=_DEFAULTS.repeats, show_default=True,
+              help="Runs of each prompt.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the report here.")
 @click.option("--plot", "plot_out", type=click.Path(path_type=Path),
               help="Plot speedup against the draft length to this PNG (needs matplotlib).")
@@ -61,7 +71,8 @@ def _ints(text: str) -> tuple[int, ...]:
                    "still apply).")
 @click.pass_context
 @user_errors
-def bench(ctx: click.Context, package: Path | None, gammas: str, former_gammas: str | None,
+def bench(ctx: click.Context, package: Path | None, draft_lengths: str,
+          former_draft_lengths: str | None,
           temperatures: str, schedules: str, drafters: str, max_new_tokens: int, prompts_file: Path | None,
           repeats: int, json_out: Path | None, plot_out: Path | None, provider: str,
           quick: bool) -> None:
@@ -71,24 +82,24 @@ def bench(ctx: click.Context, package: Path | None, gammas: str, former_gammas: 
     from edgespec import bench as benchmark
 
     option = "--draft-length"
-    if former_gammas is not None:
+    if former_draft_lengths is not None:
         deprecated_flag("--gamma", option)
-        gammas, option = former_gammas, "--gamma"
+        draft_lengths, option = former_draft_lengths, "--gamma"
     try:
-        gamma_list, temperature_list = _ints(gammas), _floats(temperatures)
+        length_list, temperature_list = _ints(draft_lengths), _floats(temperatures)
     except ValueError as e:
         raise click.ClickException(f"{option}/--temperature: {e}") from None
-    for gamma in gamma_list:  # named as the option given
-        check_draft_length(option, gamma)
-    config = benchmark.BenchConfig(gamma_list, temperature_list, max_new_tokens, repeats,
-                                   schedules=tuple(schedules.split(",")),
-                                   drafters=tuple(drafters.split(",")))
+    for draft_length in length_list:  # named as the option given
+        check_draft_length(option, draft_length)
+    config = BenchConfig(length_list, temperature_list, max_new_tokens, repeats,
+                         schedules=tuple(schedules.split(",")),
+                         drafters=tuple(drafters.split(",")))
     if quick:  # QUICK's settings where the command line left an option at its default
         default = click.core.ParameterSource.DEFAULT
         config = replace(config, **{option: getattr(benchmark.QUICK, option)
                                     for option in _QUICK_OPTIONS
                                     if ctx.get_parameter_source(option) == default
-                                    and not (option == "gammas" and former_gammas)})
+                                    and not (option == "draft_lengths" and former_draft_lengths)})
     if json_out:  # outputs checked now: the benchmark may take many minutes
         benchmark.check_writable(json_out, "--json")
     if plot_out:
