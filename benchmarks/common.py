@@ -20,6 +20,7 @@ Timing, the same for every runtime (and comparable with ``edgespec bench``):
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -72,7 +73,7 @@ def read_prompts(path: str | Path) -> list[str]:
 # --- the command line ----------------------------------------------------------------------------
 
 
-def add_common_args(parser, gamma_default: str = "1,2,4") -> None:
+def add_common_args(parser, draft_length_default: str = "1,2,4") -> None:
     parser.add_argument("--target", required=True, help="Hugging Face checkpoint folder (target)")
     parser.add_argument("--draft", help="Hugging Face checkpoint folder (draft)")
     parser.add_argument("--prompts", required=True,
@@ -81,8 +82,11 @@ def add_common_args(parser, gamma_default: str = "1,2,4") -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of every prompt")
     parser.add_argument("--temperature", default="0,1",
                         help="comma list; 0 is greedy, otherwise plain sampling (no top-k/top-p)")
-    parser.add_argument("--gamma", default=gamma_default,
+    parser.add_argument("--draft-length", default=draft_length_default,
                         help="comma list of draft tokens per round for the speculative runs")
+    # --gamma: its former name, kept so that recorded commands still run
+    parser.add_argument("--gamma", dest="draft_length", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="intra-op threads (default: every core, os.cpu_count())")
     parser.add_argument("--seed", type=int, default=0,

@@ -5,7 +5,7 @@ every variant decodes the same text), then interleaves, prompt by prompt, a targ
 a speculative run with each variant, so drift of a noisy machine hits all alike. Prints the
 median speedup over target-only, alpha, the draft step and the verify run per variant.
 
-    python benchmarks/draft_precision.py [--gamma 4,8] [--temperature 0,1] [--repeats 1]
+    python benchmarks/draft_precision.py [--draft-length 4,8] [--temperature 0,1] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ def export_variants(folder: Path) -> dict[str, Path]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gamma", default="4,8")
+    parser.add_argument("--draft-length", default="4,8")
+    # --gamma: its former name, kept so that recorded commands still run
+    parser.add_argument("--gamma", dest="draft_length", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
     parser.add_argument("--temperature", default="0,1")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=128)
@@ -54,20 +57,20 @@ def main() -> None:
     prompts = read_prompts(ROOT / "edgespec/models/demo/prompts.jsonl")
     for pipe in pipes.values():
         pipe.generate(prompts[0], max_new_tokens=8)  # warm-up
-    gammas = [int(g) for g in args.gamma.split(",")]
+    draft_lengths = [int(k) for k in args.draft_length.split(",")]
     rows = []
     print(f"machine: {describe(machine)}")
     print(f"{'T':>4} {'k':>3} {'draft':>6} {'speedup':>8} {'alpha':>6} {'draft ms':>9} "
           f"{'step ms':>8} {'verify ms':>9} {'draft MB':>8}")
     for temperature in (float(t) for t in args.temperature.split(",")):
-        pairs = {(name, k): [] for k in gammas for name in pipes}
+        pairs = {(name, k): [] for k in draft_lengths for name in pipes}
         for repeat in range(args.repeats):
             for i, prompt in enumerate(prompts):
                 seed = 1000 * repeat + i
                 settings = dict(sampling=SamplingConfig(temperature), seed=seed, ignore_eos=True)
                 base = pipes["fp32"].generate(
                     prompt, GenerationConfig(args.tokens, drafter="none", **settings)).stats
-                for k in gammas:
+                for k in draft_lengths:
                     for name, pipe in pipes.items():
                         spec = pipe.generate(prompt, GenerationConfig(args.tokens, draft_length=k, schedule="fixed",
                                                                       **settings)).stats
@@ -76,7 +79,7 @@ def main() -> None:
             summary = summarise(temperature, "model", "fixed", k, runs)  # edgespec bench's
             size = (packages[name] / "draft" / "model.onnx").stat().st_size / 2**20
             row = {
-                "temperature": temperature, "gamma": k, "draft": name,
+                "temperature": temperature, "draft_length": k, "draft": name,
                 "speedup": summary.speedup, "alpha": summary.alpha,
                 "draft_step_ms": summary.draft_step_ms, "target_step_ms": summary.target_step_ms,
                 "verify_ms": summary.verify_ms, "draft_mib": size,

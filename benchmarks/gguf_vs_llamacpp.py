@@ -478,7 +478,7 @@ def run_genai(args, prompts: list[str], ks: list[int], temperatures: list[float]
                "--precision", args.genai_precision, "--builder-python", args.genai_python,
                "--work-dir", str(work / "graphs"), "--json", str(out)]
     if args.genai_draft:
-        command += ["--draft", args.genai_draft, "--gamma", ",".join(map(str, ks))]
+        command += ["--draft", args.genai_draft, "--draft-length", ",".join(map(str, ks))]
     print("onnxruntime-genai: " + " ".join(command), flush=True)
     subprocess.run(command, check=True)
     return json.loads(out.read_text())

@@ -23,7 +23,7 @@ for provider in cuda tensorrt; do
 done
 edgespec generate "$OUT/demo-fp16" "def fibonacci(n):" -n 64 --provider cuda --json \
     > "$OUT/generate-cuda-fp16.json"
-edgespec bench edgespec/models/demo --provider cuda --gamma 1,2,4,8 --temperature 0,1 \
+edgespec bench edgespec/models/demo --provider cuda --draft-length 1,2,4,8 --temperature 0,1 \
     -n 128 --repeats 2 --json "$OUT/bench-cuda.json"
-edgespec bench "$OUT/demo-fp16" --prompts edgespec/models/demo/prompts.jsonl --provider cuda --gamma 1,2,4,8 --temperature 0,1 \
+edgespec bench "$OUT/demo-fp16" --prompts edgespec/models/demo/prompts.jsonl --provider cuda --draft-length 1,2,4,8 --temperature 0,1 \
     -n 128 --repeats 2 --json "$OUT/bench-cuda-fp16.json"

@@ -58,7 +58,10 @@ def main() -> None:
     parser.add_argument("packages", type=Path, nargs="+")
     parser.add_argument("--prompts", type=Path, required=True)
     parser.add_argument("-n", "--new-tokens", type=int, default=64)
-    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--draft-length", type=int, default=4)
+    # --gamma: its former name, kept so that recorded commands still run
+    parser.add_argument("--gamma", dest="draft_length", type=int, default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
     parser.add_argument("--limit", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -73,7 +76,7 @@ def main() -> None:
         exported = pipe.target.min_run_tokens
         for runs in (1, 2):
             pipe.target.min_run_tokens = runs
-            r = compare(pipe, prompts, args.new_tokens, args.gamma)
+            r = compare(pipe, prompts, args.new_tokens, args.draft_length)
             results["packages"].setdefault(str(path), {})[f"min_run_tokens={runs}"] = r
             shape = ("as fed" if runs == 1 else "padded to 2") + (" (exported)" if runs ==
                                                                   exported else "")

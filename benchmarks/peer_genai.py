@@ -8,7 +8,7 @@
    in model paths, so the composite lives in the folder above target/ and draft/).
 3. Runs, with the onnxruntime_genai this interpreter imports, target-only generation and, where
    the runtime has ``GeneratorParams.set_speculative_options``, speculative decoding with each
-   --gamma as max_draft_tokens (and n-gram speculation with --ngram-size N).
+   --draft-length as max_draft_tokens (and n-gram speculation with --ngram-size N).
 
 EOS: ``min_length`` = ``max_length`` masks EOS until the last token, so every run makes
 --max-new-tokens tokens (genai refuses an eos_token_id outside the vocabulary, and an empty
@@ -149,7 +149,7 @@ def parse_gammas(text: str) -> list[int]:
     try:
         gammas = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        sys.exit(f"error: --gamma takes integers 1..16, got {text!r}")
+        sys.exit(f"error: --draft-length takes integers 1..16, got {text!r}")
     if any(not 1 <= g <= 16 for g in gammas):
         sys.exit(f"error: genai's max_draft_tokens is 1..16, got {gammas}")
     return gammas
@@ -157,7 +157,7 @@ def parse_gammas(text: str) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_common_args(parser, gamma_default="1,2,4")
+    common.add_common_args(parser, draft_length_default="1,2,4")
     parser.add_argument("--builder-python", default=sys.executable,
                         help="python whose onnxruntime_genai.models.builder builds the graphs")
     parser.add_argument("--work-dir", help="where graphs are built and kept "
@@ -171,7 +171,7 @@ def main() -> None:
     args = parser.parse_args()
     prompts = common.check_common(args)
     temperatures = common.comma_floats(args.temperature)
-    gammas = parse_gammas(args.gamma) if (args.draft or args.ngram_size) else []
+    gammas = parse_gammas(args.draft_length) if (args.draft or args.ngram_size) else []
     notes = []
 
     target_dir = Path(args.target).resolve()

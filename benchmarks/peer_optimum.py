@@ -72,7 +72,7 @@ def staged(onnx_dir: Path, target: Path, cache: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_common_args(parser, gamma_default="")
+    common.add_common_args(parser, draft_length_default="")
     parser.add_argument("--onnx", help="run this exported folder (model.onnx), e.g. PKG/target, "
                                        "instead of exporting --target")
     parser.add_argument("--cache", default=str(DEFAULT_CACHE), help="where exports are kept")
@@ -128,7 +128,7 @@ def main() -> None:
         "sampling": "temperature T > 0: do_sample, top_k=0, top_p=1 (full distribution)",
     }
     notes = ["target-only: assisted generation fails with ORT models (tuple past_key_values "
-             "cannot be cropped), so --draft and --gamma are ignored"]
+             "cannot be cropped), so --draft and --draft-length are ignored"]
     common.write_results(args.json, "optimum-onnxruntime", args, settings, PACKAGES, runs, rows,
                          notes)
 

@@ -3,7 +3,7 @@
 Target-only is ``model.generate(...)``; assisted generation is
 ``model.generate(..., assistant_model=draft)``, transformers' speculative decoding (greedy
 verification at temperature 0, Leviathan et al.'s speculative sampling when sampling). Each
---gamma value fixes the draft length (num_assistant_tokens, schedule "constant", no early
+--draft-length value fixes the draft length (num_assistant_tokens, schedule "constant", no early
 stop on draft confidence); "hf" leaves the assistant's own defaults (transformers 4.57: up to
 20 tokens, stopping when the draft's confidence drops below 0.4).
 
@@ -37,7 +37,7 @@ def parse_gammas(text: str) -> list[int | str]:
         elif item.isdigit() and int(item) >= 1:
             gammas.append(int(item))
         else:
-            sys.exit(f"error: --gamma takes integers >= 1 and 'hf', got {item!r}")
+            sys.exit(f"error: --draft-length takes integers >= 1 and 'hf', got {item!r}")
     return gammas
 
 
@@ -76,11 +76,11 @@ def counted(timing: common.Timing, target: CallCounter, draft: CallCounter | Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_common_args(parser, gamma_default="1,2,4")
+    common.add_common_args(parser, draft_length_default="1,2,4")
     args = parser.parse_args()
     prompts = common.check_common(args)
     temperatures = common.comma_floats(args.temperature)
-    gammas = parse_gammas(args.gamma) if args.draft else []
+    gammas = parse_gammas(args.draft_length) if args.draft else []
     torch.set_num_threads(args.threads)
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)

@@ -510,11 +510,11 @@ def time_steps(pipe, context: int, steps: int, target_tokens: tuple[int, ...]) -
             "draft_ms": times["draft_1"]}
 
 
-def sampling_costs(pipe, tokens: int, gamma: int, settings: dict) -> dict:
-    """The loop's NumPy time (GenerationStats.sampling_s): per round drafting ``gamma``, and
+def sampling_costs(pipe, tokens: int, draft_length: int, settings: dict) -> dict:
+    """The loop's NumPy time (GenerationStats.sampling_s): per round drafting ``draft_length``, and
     per token of target-only decoding; so it measures whatever sampler the loop uses."""
     common = dict(max_new_tokens=tokens, ignore_eos=True, seed=0, **settings)
-    spec = pipe.generate(PROMPT, draft_length=gamma, schedule="fixed", **common).stats
+    spec = pipe.generate(PROMPT, draft_length=draft_length, schedule="fixed", **common).stats
     base = pipe.generate(PROMPT, drafter="none", **common).stats
     return {
         "per_round_ms": 1e3 * spec.sampling_s / spec.rounds,
@@ -782,8 +782,8 @@ NOTES = [
     "each run's tokens cropped off again; target every core spinning, draft 1 thread "
     "(edgespec's defaults) unless the column says otherwise.",
     "Sampling: GenerationStats.sampling_s of pipe.generate(max_new_tokens=--sampling-tokens, "
-    "gamma=8, ignore_eos=True), in the first --sampling-repeats repeats: per round "
-    "(sampling_s / rounds, what the table shows) and per "
+    f"draft_length={KMAX}, schedule='fixed', ignore_eos=True), in the first "
+    "--sampling-repeats repeats: per round (sampling_s / rounds, what the table shows) and per "
     "row (sampling_s / (drafted + rounds)); the expected speedup charges a round of k with "
     "k+1 rows. Random weights give flat distributions: top-p keeps most of the vocabulary, "
     "more than a trained model would.",

@@ -6,7 +6,8 @@
 #   N=32 REPEATS=1 LIMIT=4 bash benchmarks/run_peers.sh  # a quick look first
 #
 # Settings (environment): TARGET, DRAFT, PROMPTS, PKG (edgespec package), OUT, N, REPEATS,
-# GAMMA, TEMPS, THREADS, LIMIT (first LIMIT prompts; 0: all), NGRAM (genai n-gram size; 0: off),
+# DRAFT_LENGTH (GAMMA, its former name, still read), TEMPS, THREADS, LIMIT (first LIMIT
+# prompts; 0: all), NGRAM (genai n-gram size; 0: off),
 # PYTHON (the environment with edgespec[export]), ONLY (space-separated subset of:
 # edgespec transformers optimum optimum-pkg genai genai015).
 #
@@ -26,7 +27,7 @@ PKG=${PKG:-edgespec/models/demo}
 OUT=${OUT:-build/peers}
 N=${N:-128}
 REPEATS=${REPEATS:-3}
-GAMMA=${GAMMA:-1,2,4}
+DRAFT_LENGTH=${DRAFT_LENGTH:-${GAMMA:-1,2,4}}
 TEMPS=${TEMPS:-0,1}
 THREADS=${THREADS:-$(nproc)}
 LIMIT=${LIMIT:-0}
@@ -62,7 +63,7 @@ if wants edgespec; then
       prompts_file=$OUT/prompts-first-$LIMIT.${PROMPTS##*.}
       head -n "$LIMIT" "$PROMPTS" > "$prompts_file"
     fi
-    "$PYTHON" -m edgespec bench "$PKG" --prompts "$prompts_file" --gamma "$GAMMA" \
+    "$PYTHON" -m edgespec bench "$PKG" --prompts "$prompts_file" --draft-length "$DRAFT_LENGTH" \
       --temperature "$TEMPS" -n "$N" --repeats "$REPEATS" --provider cpu --json "$OUT/edgespec.json"
   else
     echo "== skipping edgespec bench: no package at $PKG (set PKG)" >&2
@@ -71,7 +72,7 @@ fi
 
 if wants transformers; then
   echo "== transformers (PyTorch CPU): target-only and assisted generation" >&2
-  "$PYTHON" benchmarks/peer_transformers.py "${common[@]}" --gamma "$GAMMA,hf" \
+  "$PYTHON" benchmarks/peer_transformers.py "${common[@]}" --draft-length "$DRAFT_LENGTH,hf" \
     --json "$OUT/transformers.json"
 fi
 
@@ -92,7 +93,7 @@ fi
 if wants genai; then
   make_venv "$GENAI_RUN" onnxruntime-genai==0.18.0
   echo "== onnxruntime-genai 0.18: target-only, draft-model and n-gram speculative" >&2
-  "$GENAI_RUN/bin/python" benchmarks/peer_genai.py "${common[@]}" --gamma "$GAMMA" \
+  "$GENAI_RUN/bin/python" benchmarks/peer_genai.py "${common[@]}" --draft-length "$DRAFT_LENGTH" \
     --builder-python "$GENAI_BUILD/bin/python" --ngram-size "$NGRAM" --json "$OUT/genai.json"
 fi
 if wants genai015; then
