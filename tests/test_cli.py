@@ -24,6 +24,24 @@ def test_help(command):
     assert "Usage: main" in result.output or "Usage:" in result.output
 
 
+def test_serve_help_states_the_ray_defaults():
+    """--replica-cpus, the autoscaler's delays and --drain-timeout show serve/config.py's
+    constants, which serve/ray_deploy.py's RayOptions and Autoscale default to (read there
+    without importing ray)."""
+    import re
+
+    from edgespec.serve import config
+
+    text = " ".join(run("serve", "--help").output.split())
+    for option, value in (("replica-cpus", config.REPLICA_CPUS),
+                          ("upscale-delay", config.UPSCALE_DELAY_S),
+                          ("downscale-delay", config.DOWNSCALE_DELAY_S),
+                          ("drain-timeout", config.DRAIN_S)):
+        shown = re.search(rf"--{option} FLOAT RANGE .*?\[default: ([^;\]]*)", text)
+        assert shown and float(shown[1]) == value, (option, shown and shown[1])
+    assert f"aiming at {config.TARGET_ONGOING:g} ongoing request per replica" in text
+
+
 def test_generate_streams_the_same_text_as_the_api(packages):
     pkg = packages["llama_noisy"]
     result = run("generate", pkg, "def add(a, b):", "-n", 30, "--draft-length", 3)

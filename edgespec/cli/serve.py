@@ -8,7 +8,14 @@ import click
 
 from edgespec.cli.base import main, needs_serve_extra, resolve_package, runtime, user_errors
 from edgespec.config import PROVIDERS
-from edgespec.serve.config import ServeConfig
+from edgespec.serve.config import (
+    DOWNSCALE_DELAY_S,
+    DRAIN_S,
+    REPLICA_CPUS,
+    TARGET_ONGOING,
+    UPSCALE_DELAY_S,
+    ServeConfig,
+)
 
 _SERVE = ServeConfig()  # the server's defaults (edgespec/serve/config.py, no heavy imports)
 
@@ -71,21 +78,22 @@ _SERVE = ServeConfig()  # the server's defaults (edgespec/serve/config.py, no he
               help="Deploy on the Ray cluster at ADDR ('auto': the one `ray start` made "
                    "here); PACKAGE's path must be readable on every node. Without it, "
                    "--replicas starts a local Ray and stops it on exit.")
-@click.option("--replica-cpus", default=1.0, show_default=True,
+@click.option("--replica-cpus", default=REPLICA_CPUS, show_default=True,
               type=click.FloatRange(0, min_open=True),
               help="CPUs Ray reserves for each replica; its sessions use as many threads.")
 @click.option("--autoscale", metavar="MIN:MAX",
               help="Instead of --replicas: Ray Serve's autoscaler keeps MIN to MAX replicas "
-                   "(MIN at start), aiming at 1 ongoing request per replica, since each "
-                   "generates one at a time and queues the rest (up to --queue): it adds one "
-                   "when requests wait on every replica, removes one when they stay below.")
-@click.option("--upscale-delay", default=30.0, show_default=True,
+                   f"(MIN at start), aiming at {TARGET_ONGOING:g} ongoing request per replica, "
+                   "since each generates one at a time and queues the rest (up to --queue): it "
+                   "adds one when requests wait on every replica, removes one when they stay "
+                   "below.")
+@click.option("--upscale-delay", default=UPSCALE_DELAY_S, show_default=True,
               type=click.FloatRange(0), help="With --autoscale: seconds of waiting requests "
                                              "before a replica is added.")
-@click.option("--downscale-delay", default=600.0, show_default=True,
+@click.option("--downscale-delay", default=DOWNSCALE_DELAY_S, show_default=True,
               type=click.FloatRange(0), help="With --autoscale: seconds of fewer requests "
                                              "before a replica is removed.")
-@click.option("--drain-timeout", default=30.0, show_default=True,
+@click.option("--drain-timeout", default=DRAIN_S, show_default=True,
               type=click.FloatRange(0, min_open=True),
               help="On Ray: seconds a replica being stopped (Ctrl-C, SIGTERM, a redeploy, "
                    "scaling down) keeps answering the requests it holds, streams included; "

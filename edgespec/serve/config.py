@@ -14,6 +14,17 @@ from edgespec.errors import ConfigError
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 LOOPBACK_ADDRESSES = ("localhost", "127.0.0.1", "::1")
 
+# Defaults of a deployment on Ray Serve (serve/ray_deploy.py's RayOptions and Autoscale), here
+# so that the CLI's help shows them without importing ray. The delays are Ray Serve's own.
+REPLICA_CPUS = 1.0  # CPUs Ray reserves for each replica
+UPSCALE_DELAY_S = 30.0  # seconds of a higher load before a replica is added
+DOWNSCALE_DELAY_S = 600.0  # seconds of a lower load before one is removed
+DRAIN_S = 30.0  # seconds a replica being stopped keeps answering the requests it holds
+# A replica generates one request at a time (the others wait in its queue), so the autoscaler
+# aims at one ongoing request per replica: any request waiting on every replica is a reason to
+# add one (Ray: desired = ceil(replicas x mean ongoing / target), between min and max).
+TARGET_ONGOING = 1.0
+
 
 @dataclass(frozen=True)
 class ServeConfig:

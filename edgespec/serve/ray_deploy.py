@@ -47,7 +47,14 @@ from ray.serve import config as serve_config
 
 from edgespec.config import is_int
 from edgespec.errors import ConfigError
-from edgespec.serve.config import ServeConfig
+from edgespec.serve.config import (
+    DOWNSCALE_DELAY_S,
+    DRAIN_S,
+    REPLICA_CPUS,
+    TARGET_ONGOING,
+    UPSCALE_DELAY_S,
+    ServeConfig,
+)
 
 APP_NAME = "edgespec"
 REPLICA_HEADER = "x-edgespec-replica"
@@ -58,10 +65,6 @@ QUIET = {"log_level": "WARNING", "enable_access_log": False}  # Serve's logs, as
 
 # Autoscaling's look-back window must exceed this (Ray warns, and says it will refuse)
 METRICS_INTERVAL_S = getattr(serve_config, "DEFAULT_METRICS_INTERVAL_S", 10.0)
-# A replica generates one request at a time (the others wait in its queue), so the autoscaler
-# aims at one ongoing request per replica: any request waiting on every replica is a reason to
-# add one (Ray: desired = ceil(replicas x mean ongoing / target), between min and max).
-TARGET_ONGOING = 1.0
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,8 @@ class Autoscale:
 
     min_replicas: int
     max_replicas: int
-    upscale_delay_s: float = 30.0
-    downscale_delay_s: float = 600.0
+    upscale_delay_s: float = UPSCALE_DELAY_S
+    downscale_delay_s: float = DOWNSCALE_DELAY_S
     look_back_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -117,9 +120,9 @@ class RayOptions:
 
     replicas: int = 1
     address: str | None = None
-    replica_cpus: float = 1.0
+    replica_cpus: float = REPLICA_CPUS
     autoscale: Autoscale | None = None
-    drain_s: float = 30.0
+    drain_s: float = DRAIN_S
 
     def __post_init__(self) -> None:
         if not (isinstance(self.drain_s, (int, float)) and self.drain_s > 0):
