@@ -33,6 +33,9 @@ EXPORT_VALIDATIONS = ("strict", "report", "skip")
 # adaptive schedule times target runs on 1..k+1 tokens, and verification holds [k+1, V] rows.
 MAX_DRAFT_LENGTH = 64
 MAX_GAMMA = MAX_DRAFT_LENGTH  # its former name, kept for callers that import it
+# The adaptive schedule's largest k: it calibrates a target run on every length up to k + 1,
+# and past 16 drafted tokens a round's expected yield barely grows (0.9^17 = 0.17).
+ADAPTIVE_MAX_K = 16
 # the former names of two settings, still accepted (deprecated), and what each now is
 FORMER_SETTINGS = {"gamma": "draft_length", "use_draft": 'drafter="none"'}
 
@@ -199,9 +202,9 @@ class GenerationConfig(_GenerationFields):
     max_new_tokens: stop after this many generated tokens.
     draft_length: the draft length k (tokens the drafter proposes per round), as the schedule
         reads it: "fixed" drafts k = draft_length every round; "heuristic" starts at it;
-        "adaptive" picks k in 0..min(draft_length, 16) each round. The schedules take it under
-        those names (FixedSchedule(k), HeuristicSchedule(start), AdaptiveSchedule's costs up
-        to kmax). ``gamma`` is its former name, still accepted (deprecated: FORMER_SETTINGS).
+        "adaptive" picks k in 0..min(draft_length, ADAPTIVE_MAX_K) each round. The schedules
+        take it under those names (FixedSchedule(k), HeuristicSchedule(start),
+        AdaptiveSchedule's costs up to kmax). ``gamma`` is its former name, still accepted (deprecated: FORMER_SETTINGS).
     schedule: "fixed", "heuristic" (transformers' +2/-1 rule) or "adaptive" (k maximising
         expected tokens/s from measured costs; see runtime/schedule.py).
     seed: seeds the sampler; the same seed gives the same text, whatever the schedule and k.

@@ -24,6 +24,14 @@ def test_help(command):
     assert "Usage: main" in result.output or "Usage:" in result.output
 
 
+def test_generate_help_states_the_adaptive_schedules_largest_k():
+    """The help's "up to" is config.ADAPTIVE_MAX_K, the bound the pipeline applies."""
+    from edgespec.config import ADAPTIVE_MAX_K
+
+    text = " ".join(run("generate", "--help").output.split())
+    assert f"the most (adaptive, up to {ADAPTIVE_MAX_K})." in text
+
+
 def test_serve_help_states_the_ray_defaults():
     """--replica-cpus, the autoscaler's delays and --drain-timeout show serve/config.py's
     constants, which serve/ray_deploy.py's RayOptions and Autoscale default to (read there

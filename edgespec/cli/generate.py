@@ -21,6 +21,7 @@ from edgespec.cli.base import (
     user_errors,
 )
 from edgespec.config import (
+    ADAPTIVE_MAX_K,
     DRAFTERS,
     EXPORT_DTYPES,
     EXPORT_GRAPHS,
@@ -109,7 +110,7 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
 @sampling_options
 @click.option("--draft-length", "-k", default=_DEFAULTS.draft_length, show_default=True,
               help="Draft length k: every round's (fixed), the first (heuristic), "
-                   "the most (adaptive, up to 16).")
+                   f"the most (adaptive, up to {ADAPTIVE_MAX_K}).")
 @click.option("--gamma", type=int, hidden=True, help="Deprecated: --draft-length.")
 @click.option("--schedule", default=_DEFAULTS.schedule, show_default=True,
               type=click.Choice(SCHEDULES),

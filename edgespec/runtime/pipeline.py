@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from edgespec.config import (
+    ADAPTIVE_MAX_K,
     FORMER_SETTINGS,
     NO_DRAFTER,
     GenerationConfig,
@@ -40,9 +41,6 @@ from edgespec.runtime.stats import GenerationStats
 from edgespec.runtime.text import TextAssembler
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingConfig)}
-# The adaptive schedule's largest k: it calibrates a target run on every length up to k + 1,
-# and past 16 drafted tokens a round's expected yield barely grows (0.9^17 = 0.17).
-ADAPTIVE_MAX_K = 16
 # What the adaptive schedule takes an n-gram lookup to cost per proposed token: a few dict
 # lookups and one index update, microseconds whatever the context (benchmarks/ngram_cost.py
 # measures it).
