@@ -37,6 +37,7 @@ from transformers import LlamaForCausalLM
 
 from edgespec.export.destination import write_file
 from edgespec.export.pair import read_checkpoint
+from edgespec.export.vocab import TOKEN_IDS_NAME  # a package's name for the ids a draft scores
 from edgespec.models.recipe.evaluate import held_out
 from edgespec.models.recipe.loop import (Budget, LoopState, shuffled_batches, train_loop,
                                          warmup_cosine)
@@ -45,7 +46,6 @@ from edgespec.models.recipe.teacher import (end_tokens, load_target, reply_vocab
                                             teacher_stage)
 
 LAYERS_NAME = "layers.safetensors"
-TOKEN_IDS_NAME = "token_ids.npy"
 
 
 def log(line: str) -> None:
