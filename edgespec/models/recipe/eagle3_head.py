@@ -42,6 +42,7 @@ from safetensors.torch import save as safetensors_bytes
 from edgespec.export.destination import write_file
 from edgespec.export.aux_layers import check_aux_layers, default_aux_layers
 from edgespec.export.eagle3 import ARCHITECTURES, D2T, T2D, Eagle3Head, HeadConfig, _rotate
+from edgespec.models.recipe.config import DistillConfig
 from edgespec.models.recipe.evaluate import HeldOut, held_out
 from edgespec.models.recipe.loop import (Budget, LoopState, shuffled_batches, train_loop,
                                          warmup_cosine)
@@ -249,14 +250,18 @@ def evaluate(head: TrainableHead, index: torch.Tensor, examples: list[Example], 
     return scores
 
 
+_DISTILL = DistillConfig()  # `edgespec distill`'s defaults, the one home of those it shares
+
+
 @dataclass(frozen=True)
 class TrainSettings:
-    minutes: float = 20.0
-    lr: float = 1e-3
+    minutes: float = _DISTILL.minutes
+    lr: float = _DISTILL.lr
     batch: int = 8
-    steps: int = 3  # training-time-test steps (EAGLE-3 uses 7 on GPUs)
-    seed: int = 0
-    max_steps: int | None = None  # stop after this many optimizer steps (tests: deterministic)
+    steps: int = _DISTILL.steps  # training-time-test steps (EAGLE-3 uses 7 on GPUs)
+    seed: int = _DISTILL.seed
+    # stop after this many optimizer steps (tests: deterministic)
+    max_steps: int | None = _DISTILL.max_steps
 
 
 def train_head(head: TrainableHead, token_ids: np.ndarray, examples: list[Example],
