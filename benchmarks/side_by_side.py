@@ -355,14 +355,18 @@ def pooled(job: Job, n: int) -> float | None:
     return statistics.median(values) if values else None
 
 
-def best_k(alpha: float, draft_ms: float, target_ms: dict[int, float | None], kmax: int) -> dict:
+def best_k(alpha: float, draft_ms: float, target_ms: dict[int, float | None],
+           kmax: int) -> dict | None:
     """The k in 1..kmax (those timed) with the largest expected speedup over target-only: the
-    runtime's cost model (edgespec/runtime/schedule.py), on the lengths timed from 1 up."""
+    runtime's cost model (edgespec/runtime/schedule.py), on the lengths timed from 1 up; None
+    when fewer than two lengths were timed (no k to weigh)."""
     timed: list[float] = []
     for n in range(1, kmax + 2):
         if target_ms.get(n) is None:
             break
         timed.append(target_ms[n])
+    if len(timed) < 2:
+        return None
     costs = StepCosts(draft_ms, tuple(timed))
     k = schedule_best_k(costs, alpha, kmin=1)
     speedup = costs.tokens_per_ms(alpha, k) * target_ms[1]
@@ -410,10 +414,10 @@ def figures(jobs: list[Job], kmax: int) -> dict:
     for target in rows["targets"]:
         for alpha in ALPHAS:
             options = [{"draft_variant": d["variant"], "draft_threads": d["threads"],
-                        "draft_ms": d["ms"][1],
-                        **best_k(alpha, d["ms"][1], target["ms"], kmax)}
+                        "draft_ms": d["ms"][1], **weighed}
                        for d in rows["drafts"] if d["engine"] == target["engine"]
-                       and pairs(target["variant"], d["variant"])]
+                       and pairs(target["variant"], d["variant"])
+                       and (weighed := best_k(alpha, d["ms"][1], target["ms"], kmax))]
             if options:
                 best = max(options, key=lambda o: o["speedup"])
                 rows["speedups"].append({"engine": target["engine"],

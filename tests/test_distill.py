@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -163,3 +165,27 @@ def test_continuations_fewer_tokens_than_a_batch_still_make_one_batch():
     targets = target_continuations(target, stream, tokens=100, prompt_length=4, new_tokens=4,
                                    top_k=2, seed=0)
     assert targets.windows.shape == (32, 8) and targets.top_ids.shape == (32, 7, 2)
+
+
+@pytest.mark.parametrize("case", ["out", "gguf"])
+def test_distill_refuses_bad_arguments_before_torch_loads(tmp_path, case):
+    """A folder that is not a head being distilled, or a file that is not GGUF, is one line
+    and exit 1 before torch is imported (it takes seconds to load)."""
+    target, out = tmp_path / "target", tmp_path / "out"
+    target.mkdir()
+    if case == "out":
+        (out / "mine.txt").parent.mkdir()
+        (out / "mine.txt").write_text("keep me")
+    else:
+        target = tmp_path / "target.gguf"
+        target.write_bytes(b"not a gguf file")
+    code = ("import sys; from edgespec.cli import main\n"
+            "try:\n"
+            f"    main(['distill', '--target', {str(target)!r}, '--out', {str(out)!r}])\n"
+            "except SystemExit as e:\n"
+            "    print('torch' in sys.modules, e.code)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.stdout.split() == ["False", "1"], proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    if case == "out":
+        assert (out / "mine.txt").read_text() == "keep me"

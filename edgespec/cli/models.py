@@ -130,11 +130,12 @@ def distill(target: Path, out: Path, data: str, minutes: float, max_steps: int |
             new_tokens: int, aux_layers: tuple[int, ...] | None, seed: int) -> None:
     """Train an EAGLE-3 draft head for TARGET on its own texts, on this machine (needs the
     export extra); then: edgespec export --target TARGET --draft OUT --out PACKAGE."""
-    recipe = needs_export_extra("edgespec.models.recipe.eagle3_distill")
     config = DistillConfig(data=data, minutes=minutes, max_steps=max_steps,
                            draft_vocab=draft_vocab, steps=steps, prompts=tuple(prompts),
                            tokens=tokens, new_tokens=new_tokens, seed=seed,
                            aux_layers=tuple(aux_layers) if aux_layers else None)
+    config.check_paths(target, out)  # before torch loads (seconds)
+    recipe = needs_export_extra("edgespec.models.recipe.eagle3_distill")
 
     def report(line: str) -> None:
         click.echo(line, err=True)

@@ -6,6 +6,7 @@ from edgespec.errors import ConfigError
 
 
 EOS_TOKEN = "<|endoftext|>"  # the tokenizer's BOS, EOS and pad (tokenizer.py)
+DISTILL_WORK = "work"  # the folder in distill's --out that holds its resumable stages
 
 
 def _require(ok: bool, message: str) -> None:
@@ -139,3 +140,31 @@ class DistillConfig:
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _require(self.lr > 0, f"lr must be > 0, got {self.lr}")
         _require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+
+    def check_paths(self, target, out) -> None:
+        """What can be refused from the arguments alone, before torch loads: prompt counts the
+        templates cannot make, an --out that is not a head being distilled (no
+        DISTILL_WORK folder) or whose work folder is a link, repeated aux layers, a GGUF header that does
+        not read (export/gguf_header.py)."""
+        from pathlib import Path
+
+        from edgespec.errors import EdgespecError
+        from edgespec.export.aux_layers import check_aux_layers
+        from edgespec.export.gguf_header import check_gguf
+        from edgespec.models.recipe import chat_prompts
+
+        most = chat_prompts.first_round_sizes()
+        if self.data == "chat" and any(n > m for n, m in zip(self.prompts, most)):
+            raise EdgespecError(f"--prompts {' '.join(map(str, self.prompts))} asks for more "
+                                f"than the templates make; at most {' '.join(map(str, most))}")
+        out, work = Path(out), Path(out) / DISTILL_WORK
+        if out.exists() and not work.is_dir():
+            raise EdgespecError(f"{out} exists and is not a head being distilled; choose "
+                                "another --out")
+        if work.is_symlink():  # its files would be written wherever it points
+            raise EdgespecError(f"{work} is a link; a head being distilled keeps its work "
+                                "in a folder of its own: remove the link, or choose another --out")
+        if self.aux_layers is not None:  # repeats refused before any work (the depth once read)
+            check_aux_layers(self.aux_layers, None)
+        if Path(target).suffix == ".gguf":  # before OUT is made (load_target checks it too)
+            check_gguf(Path(target), "target")

@@ -17,12 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgespec.errors import EdgespecError
-from edgespec.export.aux_layers import check_aux_layers
 from edgespec.export.destination import write_file
-from edgespec.export.gguf_header import check_gguf
-from edgespec.models.recipe import chat_prompts
-from edgespec.models.recipe.config import DistillConfig
+from edgespec.models.recipe.config import DISTILL_WORK as WORK, DistillConfig
 from edgespec.models.recipe.eagle3_head import (Example, TrainableHead, TrainSettings,
                                                 feature_stage, head_config, train_head,
                                                 write_head)
@@ -30,7 +26,6 @@ from edgespec.models.recipe.teacher import (EndTokens, check_chat_template, end_
                                             load_target, reply_vocabulary,
                                             target_continuations, teacher_stage)
 
-WORK = "work"
 
 
 def log(line: str) -> None:
@@ -75,19 +70,7 @@ def distill(target_path: Path, out: Path, config: DistillConfig = DistillConfig(
 
     out = Path(out)
     work = out / WORK
-    most = chat_prompts.first_round_sizes()
-    if config.data == "chat" and any(n > m for n, m in zip(config.prompts, most)):
-        raise EdgespecError(f"--prompts {' '.join(map(str, config.prompts))} asks for more "
-                            f"than the templates make; at most {' '.join(map(str, most))}")
-    if out.exists() and not work.is_dir():
-        raise EdgespecError(f"{out} exists and is not a head being distilled; choose another --out")
-    if work.is_symlink():  # its files would be written wherever it points
-        raise EdgespecError(f"{work} is a link; a head being distilled keeps its work in a "
-                            "folder of its own: remove the link, or choose another --out")
-    if config.aux_layers is not None:  # repeats refused before any work (the depth once read)
-        check_aux_layers(config.aux_layers, None)
-    if Path(target_path).suffix == ".gguf":  # before OUT is made (load_target checks it too)
-        check_gguf(Path(target_path), "target")
+    config.check_paths(target_path, out)
     checkpoint = read_checkpoint(Path(target_path), "target")
     end = end_tokens(checkpoint)  # what ends a reply, and the draft vocabulary keeps
     if config.data == "chat":
