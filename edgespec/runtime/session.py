@@ -65,11 +65,12 @@ class ModelSession:
         unpack.release_unpacked(self.session, self._probe)  # onnxruntime holds copies
 
     def _probe(self) -> list[np.ndarray]:
-        """The outputs of a one-token run on an empty cache."""
+        """The outputs of a two-token run on an empty cache (tokens 1 and 2: a table's row 0
+        may be zeros, and a zeroed copy of it would change nothing)."""
         cache = self.new_cache(2)
-        features = (np.zeros((1, self.feature_size), np.float32) if self.reads_features
+        features = (np.ones((2, self.feature_size), np.float32) if self.reads_features
                     else None)
-        logits, rows = self.forward_rows(np.array([0], np.int64), cache, features)
+        logits, rows = self.forward_rows(np.array([1, 2], np.int64), cache, features)
         return [logits.copy()] + ([rows.copy()] if rows is not None else [])
 
     def _read_graph(self, spec: ModelSpec) -> None:

@@ -73,7 +73,8 @@ def release_unpacked(session, probe) -> int:
     Whether it copied them depends on its version and provider, so it is tested, not assumed:
     ``probe()`` runs the graph and returns its outputs; the tensors are zeroed in place and it
     runs again. Outputs equal bit for bit mean nothing reads them, so they are dropped;
-    otherwise they are made again in place and kept. Only for sessions on the CPU provider
+    otherwise they are made again in place and kept: all or none, so one tensor the probe sees
+    read keeps the rest too. Only for sessions on the CPU provider
     alone: other providers may read weights later (TensorRT builds its engines at the first
     run).
     """
