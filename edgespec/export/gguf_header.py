@@ -53,7 +53,7 @@ CONFIG_RANGES = {
     "vocab_size": (1, 1 << 22),
 }
 # the general.architecture values read (llama.cpp writes Mistral models as "llama")
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 REQUIRED = ("block_count", "embedding_length", "attention.head_count")
 MAX_VOCAB = 1 << 22
 TOKEN_IDS = ("bos", "eos", "eot", "padding", "unknown")

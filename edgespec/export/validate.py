@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from edgespec.config import EXPORT_VALIDATIONS
+from edgespec.export.families import GEMMA, SLIDING, embed_scale, local_rope_config
 from edgespec.export.memory import trim
 from edgespec.manifest import ModelSpec
 from edgespec.runtime.providers import SessionConfig
@@ -86,25 +87,35 @@ def reference_logits_by_layer(model, tensors, ids: np.ndarray,
     modules in float32, each layer's weights read, run and dropped: the same figures as the
     whole model (the tests compare them) in the memory of one layer in float32 plus a slice
     of the output layer. Only the ``ids``' rows of the embedding table are read.
+    Gemma 3 (Gemma3TextModel.forward, Gemma3ForCausalLM.forward): the rows scaled, a mask and
+    a rotary embedding for each kind of layer, the logits softcapped where the config says so.
     """
     import torch
-    from transformers.masking_utils import create_causal_mask
 
     inner, config = model.model, model.config
     layers = config.num_hidden_layers
+    gemma = config.model_type in GEMMA
     start = time.perf_counter()
     with torch.no_grad():
-        hidden = tensors.rows("model.embed_tokens.weight", ids).float()[None]  # [1, n, H]
+        rows = tensors.rows("model.embed_tokens.weight", ids)
+        hidden = (rows.float() * embed_scale(config, rows.dtype))[None]  # [1, n, H]
         positions = torch.arange(len(ids))
         rotary = type(inner.rotary_emb)(config=config)
         position_embeddings = rotary(hidden, positions[None])
-        mask = create_causal_mask(config=config, input_embeds=hidden, attention_mask=None,
-                                  cache_position=positions, past_key_values=None,
-                                  position_ids=positions[None])
+        masks = _masks(config, hidden, positions)
+        if gemma:
+            local = type(inner.rotary_emb)(config=local_rope_config(config))
+            position_embeddings = {"position_embeddings_global": position_embeddings,
+                                   "position_embeddings_local": local(hidden, positions[None])}
+        else:
+            position_embeddings = {"position_embeddings": position_embeddings}
         for i, layer in enumerate(inner.layers[:layers]):
             _materialize(layer, tensors, f"model.layers.{i}.")
-            hidden = layer(hidden, attention_mask=mask, position_ids=positions[None],
-                           position_embeddings=position_embeddings)
+            hidden = layer(hidden, attention_mask=masks[getattr(layer, "attention_type",
+                                                                "full_attention")],
+                           position_ids=positions[None], **position_embeddings)
+            if isinstance(hidden, tuple):  # Gemma3DecoderLayer returns (hidden_states,)
+                hidden = hidden[0]
             layer.to_empty(device="meta")  # drop the layer's weights
             trim()
             progress(f"PyTorch reference: layer {i + 1}/{layers}, "
@@ -117,7 +128,23 @@ def reference_logits_by_layer(model, tensors, ids: np.ndarray,
         table = tensors.read(head)  # [V, H] in its stored type
         logits = torch.cat([torch.nn.functional.linear(hidden, table[rows : rows + _HEAD_ROWS].float())
                             for rows in range(0, len(table), _HEAD_ROWS)], dim=-1)
+        cap = getattr(config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
     return logits.numpy()
+
+
+def _masks(config, hidden, positions) -> dict:
+    """The attention masks by layer kind (``layer_types``' names), as the model's forward makes
+    them: causal, and for sliding layers causal within the window."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    kwargs = dict(config=config, input_embeds=hidden, attention_mask=None,
+                  cache_position=positions, past_key_values=None, position_ids=positions[None])
+    masks = {"full_attention": create_causal_mask(**kwargs)}
+    if SLIDING in (getattr(config, "layer_types", None) or ()):
+        masks[SLIDING] = create_sliding_window_causal_mask(**kwargs)
+    return masks
 
 
 _HEAD_ROWS = 16384  # output rows upcast at a time
