@@ -182,6 +182,33 @@ LLAMA_K = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": 
            "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
 
 
+def assert_compact(manifest, package: Path) -> None:
+    """The graph keeps the file's blocks in about their bytes: its stored weights (inline,
+    in the data file, and the parts of tensors made at load) take at most 1.15x the file's
+    tensors (its rotary tables and block-sum matrices aside: the graph's own constants)."""
+    import onnx
+    from gguf import GGUFReader
+
+    source = sum(int(t.n_bytes) for t in GGUFReader(manifest.source["target"]).tensors)
+    graph = onnx.load(str(package / "target" / "model.onnx"), load_external_data=False).graph
+    own = ("cos_cache", "sin_cache", "block_sums")
+    stored = 0
+    for t in graph.initializer:
+        if t.name.startswith(own):
+            continue
+        where = {e.key: e.value for e in t.external_data}
+        stored += len(t.raw_data) if not where else int(where.get("length", 0))
+
+    def parts(recipe):
+        if not isinstance(recipe, dict):
+            return 0
+        return recipe.get("length", 0) + sum(parts(v) for v in recipe.values())
+
+    unpack = package / "target" / "unpack.json"
+    stored += sum(map(parts, json.loads(unpack.read_text()).values())) if unpack.exists() else 0
+    assert stored <= 1.15 * source, (stored, source)
+
+
 # -- blocks of a type ---------------------------------------------------------------------------
 
 K_QUANTS = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes a super-block of 256

@@ -75,6 +75,13 @@ def layer_window(config, layer: int) -> int | None:
     return None
 
 
+def widest_window(config) -> int:
+    """The widest sliding window of the model's layers (0 without one): validation runs past
+    it, so that a window off by one position is seen."""
+    return max((layer_window(config, i) or 0 for i in range(config.num_hidden_layers)),
+               default=0)
+
+
 def local_rope_config(config):
     """The config Gemma 3's local (sliding) layers rotate with: ``rope_local_base_freq``,
     unscaled (as Gemma3TextModel builds its ``rotary_emb_local``)."""
