@@ -185,13 +185,14 @@ LLAMA_K = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": 
 def assert_compact(manifest, package: Path) -> None:
     """The graph keeps the file's blocks in about their bytes: its stored weights (inline,
     in the data file, and the parts of tensors made at load) take at most 1.15x the file's
-    tensors (its rotary tables and block-sum matrices aside: the graph's own constants)."""
+    tensors (its block-sum matrices aside: the graph's own constants; its rotary tables are
+    made at load)."""
     import onnx
     from gguf import GGUFReader
 
     source = sum(int(t.n_bytes) for t in GGUFReader(manifest.source["target"]).tensors)
     graph = onnx.load(str(package / "target" / "model.onnx"), load_external_data=False).graph
-    own = ("cos_cache", "sin_cache", "block_sums")
+    own = ("block_sums",)
     stored = 0
     for t in graph.initializer:
         if t.name.startswith(own):
