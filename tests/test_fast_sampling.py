@@ -152,7 +152,7 @@ def test_top_p_exactly_at_a_mass_the_reference_reaches(logits, temperature, top_
     assert_same_distribution(logits, replace(config, top_p=top_p))
 
 
-@pytest.mark.parametrize("vocab", [20_000, 151_936])
+@pytest.mark.parametrize("vocab", [20_000, 151_936, 262_144])  # 262,144: Gemma 3
 @pytest.mark.parametrize(
     "config",
     [SamplingConfig(1.0), SamplingConfig(0.7, top_p=0.9), SamplingConfig(0.8, top_k=50),
@@ -249,7 +249,7 @@ def reference_inverse_cdf(probs: np.ndarray, u: float) -> int:
     return int(np.searchsorted(cdf, u * cdf[-1], side="right"))
 
 
-@pytest.mark.parametrize("vocab", [7, 5_000, 151_936])
+@pytest.mark.parametrize("vocab", [7, 5_000, 151_936, 262_144])
 @pytest.mark.parametrize("config", [SamplingConfig(1.0), SamplingConfig(0.7, top_p=0.9)], ids=str)
 def test_a_uniform_draws_the_token_the_reference_would(vocab, config):
     rng = np.random.default_rng(1)

@@ -227,3 +227,49 @@ def test_an_unread_family_is_refused_at_once_naming_what_is_read(tmp_path):
     assert "architecture gemma2" in lines[0] and "llama, qwen2, qwen3, gemma3" in lines[0]
     assert elapsed < 10  # the command's start; the check itself reads a header (the goal: 2 s)
     assert not (tmp_path / "out").exists()
+
+
+def _llama_cpp_spm(text: str, pieces: list[tuple[str, float]]) -> list[int]:
+    """llama.cpp's SPM tokenizer (src/llama-vocab.cpp, llm_tokenizer_spm), written out plainly:
+    spaces as "▁", characters merged pair by pair, the highest-scoring resulting piece first
+    (the leftmost of equals); what is left unknown becomes <unk> (no byte pieces here)."""
+    ids = {piece: i for i, (piece, _) in enumerate(pieces)}
+    scores = dict(pieces)
+    symbols = list(text.replace(" ", "▁"))
+    while True:
+        best = None
+        for i in range(len(symbols) - 1):
+            merged = symbols[i] + symbols[i + 1]
+            if merged in scores and (best is None or scores[merged] > best[0]):
+                best = (scores[merged], i)
+        if best is None:
+            break
+        i = best[1]
+        symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+    return [ids.get(s, ids["<unk>"]) for s in symbols]
+
+
+def test_a_gguf_vocabulary_splits_text_as_llama_cpp_does(gguf_file):
+    """The package's tokenizer (SentencePiece BPE from the file's pieces and scores) gives
+    llama.cpp's ids; transformers' own reading of the file (a Unigram model over the same
+    scores) does not, which is what the test would catch."""
+    from conftest import CORPUS
+    from transformers import AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    from edgespec.export.gguf import read_gguf_checkpoint
+
+    file = gguf_file[0]
+    ours = read_gguf_checkpoint(file, "target").tokenizer
+    unigram = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    reader = gguf.GGUFReader(file)
+    pieces = list(zip(read_field(reader, "tokenizer.ggml.tokens"),
+                      read_field(reader, "tokenizer.ggml.scores")))
+    texts = sorted(set(CORPUS)) + ["the quick fox, the lazy dog", "print(np.zeros(3))"]
+    differs = 0
+    for text in texts:
+        expected = _llama_cpp_spm(text, pieces)
+        assert ours(text, add_special_tokens=False).input_ids == expected, text
+        assert ours.decode(expected) == text
+        differs += unigram(text, add_special_tokens=False).input_ids != expected
+    assert differs > 0

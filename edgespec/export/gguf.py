@@ -104,7 +104,8 @@ def read_gguf_checkpoint(file: Path, role: str) -> GGUFCheckpoint:
     try:
         with quiet("transformers"), _one_parse():
             config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
-            tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+            tokenizer = (sentencepiece_bpe(reader) if architecture in SPM_BPE else
+                         AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name))
     except (ValueError, OSError, KeyError, TypeError, IndexError) as e:
         raise ExportError(f"--{role} {file}: transformers cannot read its config or tokenizer "
                           f"({one_line(e)})") from None
@@ -128,6 +129,72 @@ def read_gguf_checkpoint(file: Path, role: str) -> GGUFCheckpoint:
             eos.append(turn_end)
     _set_special_tokens(tokenizer, reader)
     return GGUFCheckpoint(file, config, tokenizer, eos_ids=tuple(eos), architecture=architecture)
+
+
+SPM_BPE = ("gemma3",)  # architectures whose SentencePiece vocabulary is BPE (sentencepiece_bpe)
+_NORMAL, _CONTROL, _USER = 1, 3, 4  # tokenizer.ggml.token_type (SentencePiece's piece types)
+
+
+def sentencepiece_bpe(reader):
+    """A Gemma file's tokenizer: its SentencePiece BPE vocabulary (tokenizer.ggml.model
+    "llama": pieces and scores) as a Hugging Face BPE tokenizer that splits text as llama.cpp's
+    SPM tokenizer does (src/llama-vocab.cpp): characters merged, the adjacent pair whose
+    concatenation is the highest-scoring piece first, unknown characters as bytes.
+
+    transformers 4.57 reads these files as a Unigram model over the same scores, which splits
+    "the capital" into "▁t he ▁c ap it al" (a BPE piece's score is minus its rank, so Unigram
+    prefers the shortest pieces) and the model answers garbled. Here the merges are every
+    split of a normal piece into two normal pieces, ranked by the piece's score (transformers'
+    own merges for a Llama GGUF without any, made with a dictionary rather than list lookups:
+    262,144 pieces). Control pieces are special tokens, user-defined ones ("\n", "<b>")
+    matched whole, as SentencePiece and llama.cpp match them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE
+    from transformers import GemmaTokenizerFast
+
+    tokens = [str(t) for t in _array(reader, "tokenizer.ggml.tokens")]
+    scores = [float(s) for s in _array(reader, "tokenizer.ggml.scores")]
+    kinds = [int(k) for k in _array(reader, "tokenizer.ggml.token_type")]
+    normal = {t: s for t, s, k in zip(tokens, scores, kinds) if k == _NORMAL}
+    merges = []  # (score of the piece, left, right)
+    for piece, score in normal.items():
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece))
+                  if piece[:i] in normal and piece[i:] in normal]
+        splits.sort(key=lambda pair: (normal[pair[0]], normal[pair[1]]), reverse=True)
+        merges.extend((score, left, right) for left, right in splits)
+    merges.sort(key=lambda merge: merge[0], reverse=True)  # stable: ties keep their order
+    ids = {name: int(_field(reader, f"tokenizer.ggml.{name}_token_id"))
+           for name in ("bos", "eos", "unknown", "padding")
+           if f"tokenizer.ggml.{name}_token_id" in reader.fields}
+    unk = tokens[ids["unknown"]] if "unknown" in ids else None
+    backend = Tokenizer(BPE({t: i for i, t in enumerate(tokens)},
+                            [(left, right) for _, left, right in merges], unk_token=unk,
+                            fuse_unk=True, byte_fallback=True))
+    prefix = ([normalizers.Prepend("▁")] if _flag(reader, "tokenizer.ggml.add_space_prefix")
+              else [])
+    backend.normalizer = normalizers.Sequence(prefix + [normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, k in zip(tokens, kinds) if k == _CONTROL])
+    backend.add_tokens([AddedToken(t, normalized="▁" in t, special=False)
+                        for t, k in zip(tokens, kinds) if k == _USER])
+    named = {f"{name}_token": tokens[ids[key]] for name, key in (
+        ("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")) if key in ids}
+    return GemmaTokenizerFast(
+        tokenizer_object=backend, add_bos_token=_flag(reader, "tokenizer.ggml.add_bos_token",
+                                                      True),
+        add_eos_token=_flag(reader, "tokenizer.ggml.add_eos_token"), **named)
+
+
+def _array(reader, key: str) -> list:
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    return read_field(reader, key)
+
+
+def _flag(reader, key: str, default: bool = False) -> bool:
+    return bool(_field(reader, key)) if key in reader.fields else default
 
 
 GEMMA_TURN_END = "<end_of_turn>"
