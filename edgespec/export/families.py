@@ -12,7 +12,7 @@ the builder reads from the config and the checkpoint:
 - Tied embeddings (SmolLM2, Qwen2.5 and Qwen3 up to 4B): read from the model's modules.
 - Static rope scaling (linear, llama3, yarn) is in the rotary tables the model's own rotary
   module computes; what depends on the sequence length is refused.
-- Gemma 3 (transformers' modeling_gemma3.py, ``GEMMA``) adds to Qwen3's layer: RMSNorm weights
+- Gemma 3 (transformers' Gemma3DecoderLayer, ``GEMMA``) adds to Qwen3's layer: RMSNorm weights
   applied as ``1 + w``; a norm after attention and one after the MLP (``post_attention_layernorm``
   / ``post_feedforward_layernorm``), and a separate one before the MLP
   (``pre_feedforward_layernorm``); a GeGLU MLP (``gelu_pytorch_tanh``); the embedding scaled by
