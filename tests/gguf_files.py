@@ -261,8 +261,16 @@ def gemma_tokenizer():
     return json.loads(tok.to_str())["model"]["vocab"]  # [[piece, score], ...]
 
 
+# Gemma 3 instruct files' template, shortened (no system turn, no images)
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<start_of_turn>"
+                  "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+                  "{{ message['content'] | trim }}<end_of_turn>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
 def write_gemma3_gguf(path: Path, types: dict[str, str], seed: int = 0, hidden: int = 256,
-                      window: int = 8, layers: int = 6) -> tuple[Path, object]:
+                      window: int = 8, layers: int = 6, template: str | None = None
+                      ) -> tuple[Path, object]:
     """A GGUF file of a tiny random Gemma 3 as llama.cpp's convert_hf_to_gguf.py writes one
     (norm weights + 1, no q/k permutation, a SentencePiece vocabulary with scores; no
     sliding-window pattern: llama.cpp's is every sixth layer global), and the model it holds
@@ -300,6 +308,8 @@ def write_gemma3_gguf(path: Path, types: dict[str, str], seed: int = 0, hidden: 
     writer.add_pad_token_id(0)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
+    if template:
+        writer.add_chat_template(template)
     for name, value in model.state_dict().items():
         if name == "lm_head.weight":
             continue

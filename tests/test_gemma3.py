@@ -33,7 +33,8 @@ from edgespec.export.validate import reference_logits
 from edgespec.manifest import Manifest
 
 gguf = pytest.importorskip("gguf")
-from gguf_files import GEMMA3, assert_compact, write_gemma3_gguf, write_gguf  # noqa: E402
+from gguf_files import (GEMMA3, GEMMA_TEMPLATE, assert_compact, write_gemma3_gguf,  # noqa: E402
+                        write_gguf)
 
 WINDOW = 8
 
@@ -63,7 +64,7 @@ def pair(checkpoints, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory) -> tuple[Path, object]:
     return write_gemma3_gguf(tmp_path_factory.mktemp("gemma3_gguf") / "gemma.gguf", GEMMA3,
-                             seed=3, window=WINDOW)
+                             seed=3, window=WINDOW, template=GEMMA_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -206,12 +207,38 @@ def test_greedy_output_with_ngram_drafting_is_target_only(gguf_package):
     assert drafted > 0
 
 
-def test_a_gguf_turn_ends_generation(gguf_package):
-    """<end_of_turn> ends a reply beside <eos> (the file names only <eos>)."""
+def test_a_gguf_chat_template_renders_gemmas_turns_and_a_turn_ends_a_reply(gguf_package):
+    """The file's chat template is the package's; <end_of_turn> ends a reply beside <eos>
+    (the file names only <eos>)."""
     manifest = Manifest.read(gguf_package)
     pipe = edgespec.load(gguf_package)
     turn_end = pipe.tokenizer.token_to_id("<end_of_turn>")
     assert sorted(manifest.eos_token_ids) == sorted([1, turn_end])
+    ids = pipe.encode_chat([{"role": "user", "content": "def add(a, b):"}])
+    text = pipe.tokenizer.decode(ids, skip_special_tokens=False)
+    assert text == "<bos><start_of_turn>user\ndef add(a, b):<end_of_turn>\n<start_of_turn>model\n"
+    assert ids.count(pipe.tokenizer.token_to_id("<bos>")) == 1
+
+
+def test_a_gguf_target_takes_an_eagle3_head(gguf_file, tmp_path):
+    """A head beside a Gemma 3 GGUF target: validated against PyTorch, and greedy output with
+    it (k = 3) is target-only's, tokens drafted."""
+    from edgespec.export.eagle3 import write_random_head
+    from edgespec.export.gguf import read_gguf_checkpoint
+
+    config = read_gguf_checkpoint(gguf_file[0], "target").config
+    head = write_random_head(tmp_path / "head", config, draft_vocab=None, seed=2,
+                             aux_layers=(0, 2, 4), init=0.05)
+    manifest = export_pair(gguf_file[0], head, tmp_path / "pair")
+    assert manifest.draft.architecture == "eagle3" and manifest.draft.validation["failures"] == []
+    pipe = edgespec.load(tmp_path / "pair")
+    drafted = 0
+    for prompt in PROMPTS[:2]:
+        baseline = pipe.generate(prompt, max_new_tokens=24, drafter="none").token_ids
+        result = pipe.generate(prompt, max_new_tokens=24, draft_length=3, schedule="fixed")
+        assert result.token_ids == baseline
+        drafted += result.stats.drafted
+    assert drafted > 0
 
 
 def test_an_unread_family_is_refused_at_once_naming_what_is_read(tmp_path):

@@ -181,10 +181,12 @@ def sentencepiece_bpe(reader):
                         for t, k in zip(tokens, kinds) if k == _USER])
     named = {f"{name}_token": tokens[ids[key]] for name, key in (
         ("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")) if key in ids}
+    template = ({"chat_template": _field(reader, "tokenizer.chat_template")}
+                if "tokenizer.chat_template" in reader.fields else {})
     return GemmaTokenizerFast(
         tokenizer_object=backend, add_bos_token=_flag(reader, "tokenizer.ggml.add_bos_token",
                                                       True),
-        add_eos_token=_flag(reader, "tokenizer.ggml.add_eos_token"), **named)
+        add_eos_token=_flag(reader, "tokenizer.ggml.add_eos_token"), **named, **template)
 
 
 def _array(reader, key: str) -> list:
