@@ -269,12 +269,13 @@ GEMMA_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<start_of_turn>"
 
 
 def write_gemma3_gguf(path: Path, types: dict[str, str], seed: int = 0, hidden: int = 256,
-                      window: int = 8, layers: int = 6, template: str | None = None
-                      ) -> tuple[Path, object]:
+                      window: int = 8, layers: int = 6, template: str | None = None,
+                      scores: bool = True) -> tuple[Path, object]:
     """A GGUF file of a tiny random Gemma 3 as llama.cpp's convert_hf_to_gguf.py writes one
     (norm weights + 1, no q/k permutation, a SentencePiece vocabulary with scores; no
     sliding-window pattern: llama.cpp's is every sixth layer global), and the model it holds
-    (the config llama.cpp reads: query_pre_attn_scalar head_dim, local rope base 10,000)."""
+    (the config llama.cpp reads: query_pre_attn_scalar head_dim, local rope base 10,000).
+    ``template``: a chat template; ``scores`` False: the last piece's score left out."""
     from conftest import gemma3
 
     pieces = gemma_tokenizer()
@@ -300,7 +301,7 @@ def write_gemma3_gguf(path: Path, types: dict[str, str], seed: int = 0, hidden: 
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list([p for p, _ in pieces])
-    writer.add_token_scores([float(s) for _, s in pieces])
+    writer.add_token_scores([float(s) for _, s in pieces][:None if scores else -1])
     writer.add_token_types([3 if p in GEMMA_SPECIALS else 1 for p, _ in pieces])
     writer.add_bos_token_id(2)
     writer.add_eos_token_id(1)

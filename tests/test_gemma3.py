@@ -300,3 +300,16 @@ def test_a_gguf_vocabulary_splits_text_as_llama_cpp_does(gguf_file):
         assert ours.decode(expected) == text
         differs += unigram(text, add_special_tokens=False).input_ids != expected
     assert differs > 0
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(window=2**21), "attention.sliding_window is 2,097,152"),
+    (dict(scores=False), "pieces come with"),
+])
+def test_a_bad_gemma_file_is_a_one_line_error(tmp_path, options, match):
+    bad, _ = write_gemma3_gguf(tmp_path / "bad.gguf", {}, seed=6, **options)
+    result = CliRunner().invoke(main, ["export", "--target", str(bad), "--out",
+                                       str(tmp_path / "out")])
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert result.exit_code == 1 and len(errors) == 1 and match in errors[0], result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()

@@ -104,7 +104,8 @@ def read_gguf_checkpoint(file: Path, role: str) -> GGUFCheckpoint:
     try:
         with quiet("transformers"), _one_parse():
             config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
-            tokenizer = (sentencepiece_bpe(reader) if architecture in SPM_BPE else
+            tokenizer = (sentencepiece_bpe(reader, file, role) if architecture in SPM_BPE
+                         and _field(reader, "tokenizer.ggml.model") == "llama" else
                          AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name))
     except (ValueError, OSError, KeyError, TypeError, IndexError) as e:
         raise ExportError(f"--{role} {file}: transformers cannot read its config or tokenizer "
@@ -135,7 +136,7 @@ SPM_BPE = ("gemma3",)  # architectures whose SentencePiece vocabulary is BPE (se
 _NORMAL, _CONTROL, _USER = 1, 3, 4  # tokenizer.ggml.token_type (SentencePiece's piece types)
 
 
-def sentencepiece_bpe(reader):
+def sentencepiece_bpe(reader, file: Path, role: str):
     """A Gemma file's tokenizer: its SentencePiece BPE vocabulary (tokenizer.ggml.model
     "llama": pieces and scores) as a Hugging Face BPE tokenizer that splits text as llama.cpp's
     SPM tokenizer does (src/llama-vocab.cpp): characters merged, the adjacent pair whose
@@ -155,6 +156,11 @@ def sentencepiece_bpe(reader):
     tokens = [str(t) for t in _array(reader, "tokenizer.ggml.tokens")]
     scores = [float(s) for s in _array(reader, "tokenizer.ggml.scores")]
     kinds = [int(k) for k in _array(reader, "tokenizer.ggml.token_type")]
+    if not len(tokens) == len(scores) == len(kinds) or len(set(tokens)) < len(tokens):
+        raise ExportError(f"--{role} {file}: its vocabulary's {len(tokens):,} pieces come with "
+                          f"{len(scores):,} scores and {len(kinds):,} types, or repeat a piece; "
+                          "a SentencePiece vocabulary has one of each per distinct piece; "
+                          "convert the file again")
     normal = {t: s for t, s, k in zip(tokens, scores, kinds) if k == _NORMAL}
     merges = []  # (score of the piece, left, right)
     for piece, score in normal.items():

@@ -50,6 +50,7 @@ CONFIG_RANGES = {
     "attention.key_length": (1, 1024),
     "attention.value_length": (1, 1024),
     "rope.dimension_count": (1, 1024),
+    "attention.sliding_window": (0, 1 << 20),  # 0: none (llama.cpp's reading)
     "vocab_size": (1, 1 << 22),
 }
 # the general.architecture values read (llama.cpp writes Mistral models as "llama")
