@@ -48,7 +48,7 @@ def export(target: Path, draft: Path, out: Path, size: str, texts: list[Path],
 
 def bench(package: Path, args) -> dict:
     out = package.with_name(package.name + ".bench.json")
-    command = [EDGESPEC, "bench", str(package), "--gamma", args.gamma, "--temperature",
+    command = [EDGESPEC, "bench", str(package), "--draft-length", args.gamma, "--temperature",
                args.temperatures, "--schedule", "fixed,adaptive", "-n", str(args.new_tokens),
                "--repeats", str(args.repeats), "--json", str(out)]
     if args.prompts:

@@ -23,7 +23,12 @@ Three measurements, each a subcommand that writes one JSON file:
                 n-gram (adaptive) and the package's draft model (fixed k for each --ks, and
                 adaptive); tokens/s, acceptance, and whether greedy tokens equal target-only's;
                 the summary's "headline": per temperature, llama.cpp's best against edgespec's
-                best (median tokens/s over the prompts).
+                best (median tokens/s over the prompts). With --genai-python, onnxruntime-genai
+                too, after the turns, on the same rendered prompts (benchmarks/peer_genai.py:
+                its builder's int4 graphs of the two files dequantized, target-only and its
+                draft-model speculation at each --ks).
+    hf          a GGUF file as a Hugging Face folder (transformers dequantizes its blocks), for
+                onnxruntime-genai's builder, which reads float GGUF files only.
 
 Run from the repository root with the package built by ``edgespec export --target FILE.gguf``:
 
@@ -32,7 +37,9 @@ Run from the repository root with the package built by ``edgespec export --targe
     python benchmarks/gguf_vs_llamacpp.py decode --pkg PKG --gguf FILE --llama BIN --json OUT.json
     python benchmarks/gguf_vs_llamacpp.py lookup --pkg PKG --gguf FILE --llama BIN --json OUT.json
     python benchmarks/gguf_vs_llamacpp.py speculative --pkg PKG --gguf FILE --llama BIN \
-        --draft-gguf DRAFT.gguf --json OUT.json
+        --draft-gguf DRAFT.gguf --json OUT.json \
+        [--genai-python GENAI_VENV/bin/python --genai-target HF --genai-draft DRAFT_HF]
+    python benchmarks/gguf_vs_llamacpp.py hf --gguf FILE --out HF
 
 BIN is llama.cpp's build/bin. Every record holds the load average at its start (the machine is
 shared; ratios taken in one run, in turns, are what count).
@@ -412,10 +419,11 @@ def cmd_speculative(args) -> dict:
     if args.kinds:
         prompts = [p for p in prompts if p.get("kind") in args.kinds.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    rows = []
+    rows, rendered = [], []
     for p in prompts[: args.limit]:
         ids = pipe.encode_chat(p["messages"])
         text = pipe.tokenizer.decode(ids, skip_special_tokens=False)  # llama.cpp parses specials
+        rendered.append(text)
         for temperature in temperatures:
             row = {"kind": p.get("kind"), "temperature": temperature, "prompt_tokens": len(ids),
                    "load_average_start": load_average()}
@@ -447,15 +455,41 @@ def cmd_speculative(args) -> dict:
             rows.append(row)
             print(f"{p.get('kind')} T={temperature}: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in row["median_tokens_per_s"].items()), flush=True)
+    genai = run_genai(args, rendered, ks, temperatures) if args.genai_python else None
     return {"new_tokens": args.n, "threads": args.threads, "llamacpp_draft_max": args.draft,
             "ks": ks, "temperatures": temperatures, "repeats": args.repeats,
-            "summary": summarize_speculative(rows), "rows": rows}
+            "summary": summarize_speculative(rows, genai), "rows": rows,
+            **({"genai": genai} if genai else {})}
 
 
-def summarize_speculative(rows: list[dict]) -> dict:
+def run_genai(args, prompts: list[str], ks: list[int], temperatures: list[float]) -> dict:
+    """onnxruntime-genai on the same rendered prompts, by benchmarks/peer_genai.py run with
+    --genai-python: its builder's graphs of --genai-target and --genai-draft (cached in
+    --genai-work), target-only and speculative at each k; its JSON record."""
+    work = Path(args.genai_work)
+    work.mkdir(parents=True, exist_ok=True)
+    prompts_file, out = work / "prompts.jsonl", work / "run.json"
+    prompts_file.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    command = [args.genai_python, str(Path(__file__).with_name("peer_genai.py")),
+               "--target", args.genai_target, "--prompts", str(prompts_file),
+               "--max-new-tokens", str(args.n), "--repeats", str(args.repeats),
+               "--temperature", ",".join(map(str, temperatures)),
+               "--threads", str(args.threads), "--seed", str(args.seed),
+               "--precision", args.genai_precision, "--builder-python", args.genai_python,
+               "--work-dir", str(work / "graphs"), "--json", str(out)]
+    if args.genai_draft:
+        command += ["--draft", args.genai_draft, "--gamma", ",".join(map(str, ks))]
+    print("onnxruntime-genai: " + " ".join(command), flush=True)
+    subprocess.run(command, check=True)
+    return json.loads(out.read_text())
+
+
+def summarize_speculative(rows: list[dict], genai: dict | None = None) -> dict:
     """Per temperature and kind (and all kinds): each configuration's median tokens/s, its
     speedup against edgespec target-only (median over prompts of the per-prompt ratio) and its
-    acceptance (accepted / drafted over all runs)."""
+    acceptance (accepted / drafted over all runs). onnxruntime-genai's configurations (``genai``,
+    peer_genai.py's record) join "all" with their decode tokens/s (median over its runs) and
+    speedup as the ratio of medians to edgespec target-only's."""
     summary = {}
     for temperature in sorted({r["temperature"] for r in rows}):
         at_t = [r for r in rows if r["temperature"] == temperature]
@@ -473,25 +507,58 @@ def summarize_speculative(rows: list[dict]) -> dict:
                     "acceptance": accepted / drafted if drafted else None}
             summary[f"T={temperature} {kind}"] = out
         every = summary[f"T={temperature} all"]
+        for row in (genai or {}).get("rows", []):
+            if row["temperature"] == temperature:
+                name = "genai_none" if row["mode"] == "target" else f"genai_model_k{row['gamma']}"
+                every[name] = {
+                    "tokens_per_s": row["decode_tokens_per_s"],
+                    "speedup_vs_edgespec_none":
+                        row["decode_tokens_per_s"] / every["edgespec_none"]["tokens_per_s"],
+                    "acceptance": row.get("acceptance")}
         llama = max((k for k in every if k.startswith("llamacpp")),
                     key=lambda k: every[k]["tokens_per_s"])
-        ours = max((k for k in every if not k.startswith("llamacpp")),
+        ours = max((k for k in every if not k.startswith(("llamacpp", "genai"))),
                    key=lambda k: every[k]["tokens_per_s"])
+        peer = max((k for k in every if k.startswith("genai")),
+                   key=lambda k: every[k]["tokens_per_s"], default=None)
         summary[f"T={temperature} headline"] = {
             "llamacpp_best": llama, "llamacpp_tokens_per_s": every[llama]["tokens_per_s"],
             "edgespec_best": ours, "edgespec_tokens_per_s": every[ours]["tokens_per_s"],
             "edgespec_over_llamacpp": every[ours]["tokens_per_s"] / every[llama]["tokens_per_s"],
-            "edgespec_best_over_target_only": every[ours]["speedup_vs_edgespec_none"]}
+            "edgespec_best_over_target_only": every[ours]["speedup_vs_edgespec_none"],
+            **({"genai_best": peer, "genai_tokens_per_s": every[peer]["tokens_per_s"],
+                "edgespec_over_genai": every[ours]["tokens_per_s"] / every[peer]["tokens_per_s"]}
+               if peer else {})}
         print(f"T={temperature}: llama.cpp's best {llama} {every[llama]['tokens_per_s']:.1f} "
               f"tok/s, edgespec's best {ours} {every[ours]['tokens_per_s']:.1f} tok/s "
               f"({every[ours]['tokens_per_s'] / every[llama]['tokens_per_s']:.2f}x; "
-              f"{every[ours]['speedup_vs_edgespec_none']:.2f}x edgespec target-only)")
+              f"{every[ours]['speedup_vs_edgespec_none']:.2f}x edgespec target-only)"
+              + (f"; onnxruntime-genai's best {peer} {every[peer]['tokens_per_s']:.1f} tok/s"
+                 if peer else ""))
     return summary
+
+
+def gguf_as_hf(gguf_path: str, out: str) -> None:
+    """The GGUF file as a Hugging Face folder: transformers' GGUF load (its blocks dequantized
+    to float32) saved with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(gguf_path).resolve()
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+    print(f"wrote {out} ({time.perf_counter() - start:.0f} s)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    hf = sub.add_parser("hf")
+    hf.add_argument("--gguf", required=True)
+    hf.add_argument("--out", required=True)
     for name in ("perplexity", "decode", "lookup", "speculative"):
         p = sub.add_parser(name)
         p.add_argument("--pkg", required=True)
@@ -529,7 +596,19 @@ def main() -> None:
             p.add_argument("--also", action="append", default=[], metavar="LABEL=PKG",
                            help="another package of the same target whose draft is timed in "
                                 "the same turns (LABEL_model_k...; repeatable)")
+            p.add_argument("--genai-python", help="a python with onnxruntime-genai (and its "
+                           "model builder): time it too, on --genai-target/--genai-draft")
+            p.add_argument("--genai-target", help="the target GGUF as a Hugging Face folder "
+                           "(the hf subcommand)")
+            p.add_argument("--genai-draft", help="the draft GGUF as a Hugging Face folder")
+            p.add_argument("--genai-precision", default="int4", help="its builder's precision")
+            p.add_argument("--genai-work", default="build/peer-cache/gguf-genai",
+                           help="where its graphs and run files are kept")
     args = parser.parse_args()
+    if args.command == "hf":
+        return gguf_as_hf(args.gguf, args.out)
+    if getattr(args, "genai_python", None) and not args.genai_target:
+        parser.error("--genai-python needs --genai-target (a folder the hf subcommand wrote)")
     record = {"machine": machine_line(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "gguf": args.gguf, "package": args.pkg, "subcommand": args.command}
     record.update({"perplexity": cmd_perplexity, "decode": cmd_decode,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import warnings
@@ -32,6 +33,8 @@ EXPORT_VALIDATIONS = ("strict", "report", "skip")
 # adaptive schedule times target runs on 1..k+1 tokens, and verification holds [k+1, V] rows.
 MAX_DRAFT_LENGTH = 64
 MAX_GAMMA = MAX_DRAFT_LENGTH  # its former name, kept for callers that import it
+# the former names of two settings, still accepted (deprecated), and what each now is
+FORMER_SETTINGS = {"gamma": "draft_length", "use_draft": 'drafter="none"'}
 
 
 @dataclass(frozen=True)
@@ -121,40 +124,39 @@ def describe_sampling(given: dict, package: dict) -> str:
     return f"{what} ({where})"
 
 
-@dataclass(frozen=True)
-class GenerationConfig:
-    """One generation request.
+def former_settings(gamma: object = None, use_draft: object = None,
+                    warn: bool = True) -> dict:
+    """The current settings a request's former names stand for (FORMER_SETTINGS), the one
+    rule for the library, the CLI and the server: ``gamma`` is draft_length, ``use_draft=False``
+    is drafter="none" (True says nothing); each wins over the current setting given too.
+    ``warn``: a DeprecationWarning for each given (the CLI and the server say it their way)."""
+    settings: dict = {}
+    if gamma is not None:
+        check_draft_length("gamma", gamma)
+        settings["draft_length"] = gamma
+    if use_draft is not None:
+        if not isinstance(use_draft, bool):
+            raise ConfigError(f"use_draft must be True or False, got {use_draft!r}")
+        if not use_draft:
+            settings["drafter"] = NO_DRAFTER
+    if warn:
+        for name, value in (("gamma", gamma), ("use_draft", use_draft)):
+            if value is not None:
+                warnings.warn(f"GenerationConfig({name}=...) is deprecated; use "
+                              f"{FORMER_SETTINGS[name]}", DeprecationWarning, stacklevel=3)
+    return settings
 
-    max_new_tokens: stop after this many generated tokens.
-    draft_length: the draft length k (tokens the drafter proposes per round), as the schedule
-        reads it: "fixed" drafts k = draft_length every round; "heuristic" starts at it;
-        "adaptive" picks k in 0..min(draft_length, 16) each round. The schedules take it under
-        those names (FixedSchedule(k), HeuristicSchedule(start), AdaptiveSchedule's costs up
-        to kmax). ``gamma`` is its former name, still accepted (deprecated).
-    schedule: "fixed", "heuristic" (transformers' +2/-1 rule) or "adaptive" (k maximising
-        expected tokens/s from measured costs; see runtime/schedule.py).
-    seed: seeds the sampler; the same seed gives the same text, whatever the schedule and k.
-    stop: strings that end generation; the text is cut before the first one found.
-    ignore_eos: keep generating after EOS until max_new_tokens (for benchmarks: runs of equal
-        length whatever they sample).
-    drafter: "model" (the package's draft model), "ngram" (the last ngram_max..ngram_min tokens
-        looked up earlier in prompt and output, proposing what followed them), "none" (the
-        target alone: the baseline speculative decoding must match) or "auto" (model if the
-        package has a draft, else ngram). ``use_draft=False`` is the former way to say "none",
-        still accepted (deprecated); ``use_draft`` reads whether a drafter may run.
-    ngram_min, ngram_max: the shortest and longest suffix the n-gram lookup matches (longest
-        first); 1 <= ngram_min <= ngram_max <= 8.
-    token_healing: back a text prompt off its last token and let the first generated token be
-        any token whose text starts with that token's text (runtime/healing.py): a prompt
-        ending in a space or a newline then continues as the model would have split it.
-        The first generated token regrows the removed text, which the returned text leaves out.
-    """
+
+@dataclass(frozen=True)
+class _GenerationFields:
+    """GenerationConfig's fields and their checks (GenerationConfig, below, says what each
+    means and also takes their former names)."""
 
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    # Defaults from `edgespec bench` on the demo pair (benchmarks/RESULTS.md): adaptive with k up
-    # to 8 is close to the best fixed k, and unlike a fixed k it turns drafting down or off
-    # where a draft step is dear (real pairs on a CPU)
+    # Defaults from `edgespec bench` on the demo pair (benchmarks/RESULTS-archive.md, "Demo
+    # retrain"): adaptive with k up to 8 is close to the best fixed k, and unlike a fixed k it
+    # turns drafting down or off where a draft step is dear (real pairs on a CPU)
     draft_length: int = 8
     schedule: str = "adaptive"
     seed: int | None = None
@@ -190,47 +192,65 @@ class GenerationConfig:
         if not (isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop)):
             raise ConfigError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
 
+
+class GenerationConfig(_GenerationFields):
+    """One generation request.
+
+    max_new_tokens: stop after this many generated tokens.
+    draft_length: the draft length k (tokens the drafter proposes per round), as the schedule
+        reads it: "fixed" drafts k = draft_length every round; "heuristic" starts at it;
+        "adaptive" picks k in 0..min(draft_length, 16) each round. The schedules take it under
+        those names (FixedSchedule(k), HeuristicSchedule(start), AdaptiveSchedule's costs up
+        to kmax). ``gamma`` is its former name, still accepted (deprecated: FORMER_SETTINGS).
+    schedule: "fixed", "heuristic" (transformers' +2/-1 rule) or "adaptive" (k maximising
+        expected tokens/s from measured costs; see runtime/schedule.py).
+    seed: seeds the sampler; the same seed gives the same text, whatever the schedule and k.
+    stop: strings that end generation; the text is cut before the first one found.
+    ignore_eos: keep generating after EOS until max_new_tokens (for benchmarks: runs of equal
+        length whatever they sample).
+    drafter: "model" (the package's draft model), "ngram" (the last ngram_max..ngram_min tokens
+        looked up earlier in prompt and output, proposing what followed them), "none" (the
+        target alone: the baseline speculative decoding must match) or "auto" (model if the
+        package has a draft, else ngram). ``use_draft=False`` is the former way to say "none",
+        still accepted (deprecated: FORMER_SETTINGS); ``use_draft`` reads whether a drafter may
+        run.
+    ngram_min, ngram_max: the shortest and longest suffix the n-gram lookup matches (longest
+        first); 1 <= ngram_min <= ngram_max <= 8.
+    token_healing: back a text prompt off its last token and let the first generated token be
+        any token whose text starts with that token's text (runtime/healing.py): a prompt
+        ending in a space or a newline then continues as the model would have split it.
+        The first generated token regrows the removed text, which the returned text leaves out.
+    """
+
+    def __init__(self, *args, gamma: int | None = None, use_draft: bool | None = None,
+                 **settings):
+        """The fields (positional in their order, or by name) and, deprecated, their former
+        names, which win over the current ones given too (``former_settings``), so that
+        ``dataclasses.replace(config, gamma=4)`` sets the draft length."""
+        if gamma is not None or use_draft is not None:
+            names = [f.name for f in dataclasses.fields(_GenerationFields)]
+            settings = {**dict(zip(names, args)), **settings,
+                        **former_settings(gamma, use_draft)}
+            args = ()
+        super().__init__(*args, **settings)
+
     @property
     def gamma(self) -> int:
         """Deprecated: ``draft_length``."""
+        warnings.warn("GenerationConfig.gamma is deprecated; read draft_length",
+                      DeprecationWarning, stacklevel=2)
         return self.draft_length
 
     @property
     def use_draft(self) -> bool:
         """Deprecated: whether a drafter may run, i.e. ``drafter != "none"``."""
+        warnings.warn('GenerationConfig.use_draft is deprecated; read drafter != "none"',
+                      DeprecationWarning, stacklevel=2)
         return self.drafter != NO_DRAFTER
 
 
-FORMER_SETTINGS = ("gamma", "use_draft")  # still accepted by GenerationConfig (deprecated)
-_GENERATED_INIT = GenerationConfig.__init__
-
-
-def _init_with_former_names(self: GenerationConfig, *args, gamma: object = None,
-                            use_draft: object = None, **kwargs) -> None:
-    """GenerationConfig's own __init__, also taking its former settings (deprecated):
-    ``gamma`` for draft_length (it wins over a draft_length given too, so that
-    ``dataclasses.replace(config, gamma=4)`` sets it) and ``use_draft=False`` for
-    drafter="none"."""
-    if gamma is not None:
-        warnings.warn("GenerationConfig(gamma=...) is deprecated; use draft_length",
-                      DeprecationWarning, stacklevel=2)
-        check_draft_length("gamma", gamma)
-        kwargs["draft_length"] = gamma
-    if use_draft is not None:
-        warnings.warn('GenerationConfig(use_draft=...) is deprecated; use drafter="none"',
-                      DeprecationWarning, stacklevel=2)
-        if not isinstance(use_draft, bool):
-            raise ConfigError(f"use_draft must be True or False, got {use_draft!r}")
-        if not use_draft:
-            kwargs["drafter"] = NO_DRAFTER
-    _GENERATED_INIT(self, *args, **kwargs)
-
-
-GenerationConfig.__init__ = _init_with_former_names
-
-
 def check_draft_length(name: str, value: object) -> None:
-    """The draft length's range, in the caller's name for it (the CLI's and bench's gamma)."""
+    """The draft length's range, in the caller's name for it (an option, a former name)."""
     if not (is_int(value) and 1 <= value <= MAX_DRAFT_LENGTH):
         raise ConfigError(f"{name} must be an integer in 1..{MAX_DRAFT_LENGTH} (tokens drafted "
                           f"per round), got {value!r}")

@@ -22,6 +22,14 @@ class GenerationError(EdgespecError):
     """A generation request cannot be served (a prompt that is empty, too long or not text)."""
 
 
+class ChatTemplateError(EdgespecError):
+    """The package has no chat template, or its template refused or failed the conversation."""
+
+
+class TokenizerError(EdgespecError):
+    """The package's tokenizer failed, panicked, or passed its time or memory limit."""
+
+
 class ConfigError(EdgespecError, ValueError):
     """A setting has the wrong type or is out of range. Also a ValueError, so callers that
     caught the ValueError these settings raised before still catch it."""

@@ -70,7 +70,7 @@ def test_bench_command_writes_json(packages, tmp_path):
     assert read_prompts(prompts) == ["def f(x):", "import os"]
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(main, [
-        "bench", str(packages["llama_noisy"]), "--prompts", str(prompts), "--gamma", "2",
+        "bench", str(packages["llama_noisy"]), "--prompts", str(prompts), "--draft-length", "2",
         "--temperature", "0", "-n", "8", "--repeats", "1", "--json", str(out),
     ])
     assert result.exit_code == 0, result.output
@@ -86,8 +86,11 @@ def test_bench_command_writes_json(packages, tmp_path):
 
 
 def test_bench_refuses_bad_lists(packages):
+    result = CliRunner().invoke(main, ["bench", str(packages["gpt2"]), "--draft-length", "0,2"])
+    assert result.exit_code == 1 and "--draft-length must be an integer in 1..64" in result.stderr
     result = CliRunner().invoke(main, ["bench", str(packages["gpt2"]), "--gamma", "0,2"])
-    assert result.exit_code == 1 and "gammas must be >= 1" in result.stderr
+    assert result.exit_code == 1 and "--gamma is deprecated" in result.stderr
+    assert "--gamma must be an integer in 1..64" in result.stderr
 
 
 def test_plot_without_matplotlib_is_refused_before_benchmarking(packages, tmp_path, monkeypatch):
@@ -159,7 +162,7 @@ def test_bench_compares_drafters_and_refuses_one_the_package_lacks(packages, che
 
     export_pair(checkpoints["llama_target"], None, tmp_path / "alone", validation="skip")
     result = CliRunner().invoke(main, ["bench", str(tmp_path / "alone"), "--drafter", "model",
-                                       "--gamma", "2", "--temperature", "0", "-n", "4",
+                                       "--draft-length", "2", "--temperature", "0", "-n", "4",
                                        "--repeats", "1"])
     assert result.exit_code == 1
     assert "needs a draft model and this package is target only" in result.output

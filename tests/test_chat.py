@@ -20,7 +20,7 @@ from edgespec.runtime.pipeline import Pipeline
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # exact settings: a fixed k that drafts (the pair's draft is a noisy copy of its target)
 DRAFTED = {"drafter": "model", "draft_length": 2, "schedule": "fixed"}
-DRAFTED_ARGS = ["--drafter", "model", "--gamma", "2", "--schedule", "fixed"]
+DRAFTED_ARGS = ["--drafter", "model", "--draft-length", "2", "--schedule", "fixed"]
 
 
 def run(*args: str, input: str | None = None):
@@ -255,7 +255,7 @@ def test_generate_chat_answers_one_message(chatml_package, pipe):
 
 def test_bench_runs_a_chat_package_on_the_task_prompts(chatml_package):
     result = run("bench", chatml_package, "-n", 2, "--repeats", 1, "--temperature", 0,
-                 "--gamma", 2, "--schedule", "fixed")
+                 "--draft-length", 2, "--schedule", "fixed")
     assert result.exit_code == 0, result.output
     assert "(12 prompts x 1 repeats" in result.stderr
     assert "prompts: edgespec's task prompts, through the chat template" in result.stderr
@@ -298,3 +298,36 @@ def test_describe_sampling_says_what_and_where_from(given, package, said):
 
 def test_the_library_falls_back_to_greedy(pipe):
     assert pipe.manifest.generation == {} and pipe.default_sampling.greedy
+
+
+def test_no_runtime_module_imports_the_server():
+    """The template engine, the bounded child and the one encoding rule are the runtime's: no
+    module under runtime/ (nor the package's top-level modules) imports edgespec.serve, even
+    lazily inside a function, which a run-time check of sys.modules would miss."""
+    import ast
+    from pathlib import Path
+
+    root = Path(edgespec.__file__).parent
+    offenders = []
+    for path in [*(root / "runtime").glob("*.py"), *root.glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names if n.startswith("edgespec.serve")]
+    assert offenders == []
+
+
+def test_encode_text_is_the_one_encoding_rule(pipe):
+    """Plain text: the tokenizer's ids without its own special tokens, BOS first where the
+    package adds one; a rendered template: none added (it writes its own). The bounded child
+    runs this rule for Pipeline.encode and the server's /tokenize alike (test_serve_guards
+    compares the two)."""
+    from dataclasses import replace
+
+    from edgespec.runtime.inputs import encode_text
+
+    plain = pipe.tokenizer.encode("def add", add_special_tokens=False).ids
+    adds = replace(pipe.manifest, add_bos_token=True, bos_token_id=1)
+    assert encode_text(pipe.tokenizer, adds, "def add") == [1, *plain]
+    assert encode_text(pipe.tokenizer, adds, "def add", rendered=True) == plain
+    assert pipe.encode("def add") == pipe.manifest.with_bos(plain)

@@ -26,9 +26,9 @@ def test_help(command):
 
 def test_generate_streams_the_same_text_as_the_api(packages):
     pkg = packages["llama_noisy"]
-    result = run("generate", pkg, "def add(a, b):", "-n", 30, "--gamma", 3)
+    result = run("generate", pkg, "def add(a, b):", "-n", 30, "--draft-length", 3)
     assert result.exit_code == 0, result.output
-    expected = edgespec.load(pkg).generate("def add(a, b):", max_new_tokens=30, gamma=3).text
+    expected = edgespec.load(pkg).generate("def add(a, b):", max_new_tokens=30, draft_length=3).text
     assert result.stdout == expected + "\n"
     assert "tok/s" in result.stderr and "acceptance" in result.stderr
 
@@ -57,7 +57,7 @@ def test_bench_reports_progress_on_stderr(packages, tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench_command._ProgressLines, "EVERY", 0.0)  # a line after every prompt
     result = run("bench", packages["llama"], "--prompts", prompts_file(tmp_path), "-n", 4,
-                 "--gamma", 2, "--temperature", 0, "--repeats", 1)
+                 "--draft-length", 2, "--temperature", 0, "--repeats", 1)
     assert result.exit_code == 0, result.output
     lines = result.stderr.splitlines()
     assert lines[0].startswith(f"benchmarking {packages['llama']}: 3 generations of 4 tokens")
@@ -66,14 +66,33 @@ def test_bench_reports_progress_on_stderr(packages, tmp_path, monkeypatch):
 
 def test_bench_reads_the_packages_own_prompts_by_default():
     """The demo package carries prompts.jsonl: a plain `edgespec bench` needs no --prompts."""
-    result = run("bench", "-n", 2, "--gamma", 1, "--temperature", 0, "--repeats", 1)
+    result = run("bench", "-n", 2, "--draft-length", 1, "--temperature", 0, "--repeats", 1)
     assert result.exit_code == 0, result.output
     assert "fixed" in result.stdout and "adaptive" in result.stdout
 
 
-def test_no_draft_decodes_with_the_target_alone(packages):
-    out = json.loads(run("generate", packages["llama"], "x", "-n", 8, "--no-draft", "--json").stdout)
+def test_drafter_none_decodes_with_the_target_alone(packages):
+    out = json.loads(run("generate", packages["llama"], "x", "-n", 8, "--drafter", "none",
+                         "--json").stdout)
     assert out["stats"]["speculative"] is False and out["stats"]["drafted"] == 0
+
+
+def test_the_former_flags_still_work_with_a_one_line_notice(packages):
+    """--gamma is --draft-length and --no-draft is --drafter none, each taken with one line on
+    stderr (hidden from --help); given with the current name too, the former wins, as in the
+    library (config.former_settings)."""
+    current = run("generate", packages["llama"], "x =", "-n", 8, "--draft-length", 3,
+                  "--drafter", "none", "--schedule", "fixed", "--json")
+    former = run("generate", packages["llama"], "x =", "-n", 8, "--draft-length", 5,
+                 "--gamma", 3, "--no-draft", "--schedule", "fixed", "--json")
+    assert former.exit_code == 0, former.output
+    assert json.loads(former.stdout)["text"] == json.loads(current.stdout)["text"]
+    assert json.loads(former.stdout)["stats"]["drafted"] == 0
+    assert "warning: --gamma is deprecated; use --draft-length" in former.stderr
+    assert "warning: --no-draft is deprecated; use --drafter none" in former.stderr
+    assert "warning" not in current.stderr
+    assert "--gamma" not in run("generate", "--help").output
+    assert "--draft-length" in run("generate", "--help").output
 
 
 def test_export_command_writes_a_package(checkpoints, tmp_path):
@@ -119,7 +138,7 @@ def prompts_file(tmp_path, text="def f(x):\n", name="prompts.txt", encoding="utf
 
 def bench(packages, tmp_path, *args):
     """A bench small enough to finish quickly if nothing stops it."""
-    return ["bench", packages["gpt2"], "--gamma", "1", "--temperature", "0", "-n", "2",
+    return ["bench", packages["gpt2"], "--draft-length", "1", "--temperature", "0", "-n", "2",
             "--repeats", "1", *args]
 
 
@@ -133,8 +152,9 @@ BAD_INPUTS = {
     "min_p above one": (lambda p, t: ["generate", p["gpt2"], "hi", "--min-p", 1.5], "min_p must be a number in [0, 1]"),
     "repetition penalty zero": (lambda p, t: ["generate", p["gpt2"], "hi", "--repetition-penalty", 0], "repetition_penalty must be a finite number > 0"),
     "presence penalty past 2": (lambda p, t: ["generate", p["gpt2"], "hi", "--presence-penalty", 3], "presence_penalty must be a number in [-2, 2]"),
-    "gamma zero": (lambda p, t: ["generate", p["gpt2"], "hi", "--gamma", 0], "gamma must be an integer in 1..64"),
-    "gamma far too large": (lambda p, t: ["generate", p["gpt2"], "hi", "-k", 100000], "gamma must be an integer in 1..64"),
+    "draft length zero": (lambda p, t: ["generate", p["gpt2"], "hi", "--draft-length", 0], "--draft-length must be an integer in 1..64"),
+    "draft length far too large": (lambda p, t: ["generate", p["gpt2"], "hi", "-k", 100000], "--draft-length must be an integer in 1..64"),
+    "former --gamma far too large": (lambda p, t: ["generate", p["gpt2"], "hi", "--gamma", 100000], "gamma must be an integer in 1..64"),
     "negative seed": (lambda p, t: ["generate", p["gpt2"], "hi", "--seed", -1], "seed must be None or an integer >= 0"),
     "prompt not UTF-8": (lambda p, t: ["generate", p["gpt2"], "\udcff"], "not valid UTF-8"),
     "manifest field of the wrong type": (
@@ -156,8 +176,8 @@ BAD_INPUTS = {
         lambda p, t: bench(p, t, "--prompts", prompts_file(t), "--json", t), "is a folder"),
     "bench -n 0": (lambda p, t: bench(p, t, "--prompts", prompts_file(t), "-n", 0),
                    "max_new_tokens must be an integer >= 1"),
-    "bench gamma far too large": (
-        lambda p, t: ["bench", p["gpt2"], "--gamma", "2,1000"], "gamma must be an integer in 1..64"),
+    "bench draft length far too large": (
+        lambda p, t: ["bench", p["gpt2"], "--draft-length", "2,1000"], "--draft-length must be an integer in 1..64"),
     "build-demo with a negative seed": (
         lambda p, t: ["models", "build-demo", "--out", t / "demo", "--seed", -1], "seed must be >= 0"),
     "prompt too long": (lambda p, t: ["generate", p["gpt2"], "x " * 300], "shorten the prompt"),

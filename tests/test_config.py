@@ -63,15 +63,36 @@ def test_draft_length_out_of_range_names_the_allowed_range():
 def test_the_former_names_still_work_and_warn():
     with pytest.warns(DeprecationWarning, match="draft_length"):
         config = GenerationConfig(gamma=3)
-    assert config.draft_length == config.gamma == 3
+    with pytest.warns(DeprecationWarning, match="read draft_length"):
+        assert config.draft_length == config.gamma == 3
     with pytest.warns(DeprecationWarning):
         assert replace(config, gamma=5).draft_length == 5  # the former name wins, given last
     with pytest.warns(DeprecationWarning, match='drafter="none"'):
         alone = GenerationConfig(use_draft=False, drafter="ngram")
-    assert alone.drafter == "none" and not alone.use_draft
+    with pytest.warns(DeprecationWarning, match='read drafter != "none"'):
+        assert alone.drafter == "none" and not alone.use_draft
     with pytest.warns(DeprecationWarning):
         assert GenerationConfig().use_draft and make_config(use_draft=False).drafter == "none"
         assert make_config(gamma=2).draft_length == 2
+
+
+def test_the_former_names_are_no_patch_of_the_generated_init():
+    """GenerationConfig takes its former names in its own __init__ (config.py), not by
+    replacing the dataclass's at import; positional fields and replace() work as before."""
+    import dataclasses
+
+    from edgespec import config as config_module
+
+    assert "__init__" in vars(GenerationConfig)
+    assert GenerationConfig.__init__.__module__ == "edgespec.config"
+    assert GenerationConfig.__init__.__qualname__ == "GenerationConfig.__init__"
+    assert not hasattr(config_module, "_GENERATED_INIT")
+    assert [f.name for f in dataclasses.fields(GenerationConfig)][:3] == [
+        "max_new_tokens", "sampling", "draft_length"]
+    with pytest.warns(DeprecationWarning):
+        config = GenerationConfig(16, SamplingConfig(), 4, gamma=6)  # the former name wins
+    assert (config.max_new_tokens, config.draft_length) == (16, 6)
+    assert replace(config, seed=1) == GenerationConfig(16, SamplingConfig(), 6, seed=1)
 
 
 def test_unknown_settings_and_a_wrong_base_are_config_errors():

@@ -227,6 +227,7 @@ def trained(checkpoints, tmp_path_factory):
     return edgespec.load(root / "package"), report
 
 
+@pytest.mark.slow  # the fixture: 96 texts, 150 optimizer steps and an export (~80 s idle)
 def test_a_trained_head_is_exact_greedy_and_sampled(trained):
     """Greedy output with the trained head is target-only output at fixed k = 1..4 (tokens
     drafted and accepted), and its first two sampled tokens at T = 1 follow the target's
@@ -255,6 +256,7 @@ def test_a_trained_head_is_exact_greedy_and_sampled(trained):
     assert fit_pvalue(samples, exact_two_token_distribution(pipe, t1, "a b c")) > ALPHA
 
 
+@pytest.mark.slow  # the trained fixture, when this test is the first to ask for it
 def test_the_trained_heads_check_rejects_a_loop_without_the_ratio(trained, monkeypatch):
     """The same chi-square with every proposal accepted (no min(1, p/q)) fails."""
     from helpers import exact_two_token_distribution, two_token_samples

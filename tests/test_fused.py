@@ -94,8 +94,8 @@ def test_tensors_are_read_from_sharded_checkpoints_as_saved(tmp_path):
         tensors.read("lm_head.weight")
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_block_quantization_is_onnxruntimes_bit_for_bit(bits):
+@pytest.mark.parametrize("bits,block", [(4, 32), (8, 32), (4, 128)])
+def test_block_quantization_is_onnxruntimes_bit_for_bit(bits, block):
     """precision.quantize_blocks against the kernel onnxruntime's MatMulNBitsQuantizer calls,
     on checkpoint-like weights and the edge cases: an all-zero block, a block whose largest
     magnitude is both +m and -m, rounding ties, K not a whole number of blocks."""
@@ -110,10 +110,11 @@ def test_block_quantization_is_onnxruntimes_bit_for_bit(bits):
         weight[2, :32] = torch.arange(32).to(dtype) / 16  # k/16 * 8/(31/16) ... halves included
         weight[3, :32] = torch.arange(-16, 16).to(dtype)  # exact halves after scaling
         quantizer = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
-            block_size=32, is_symmetric=True, bits=bits))
+            block_size=block, is_symmetric=True, bits=bits))
         expected, expected_scales, _ = quantizer.qbits_block_quant(
             np.ascontiguousarray(weight.float().numpy().T))
-        packed, scales = quantize_blocks(weight, bits, rows=7)  # several chunks, one partial
+        packed, scales = quantize_blocks(weight, bits, rows=7,  # several chunks, one partial
+                                         block_size=block)
         assert packed.dtype == np.uint8 and scales.dtype == np.float32
         np.testing.assert_array_equal(packed, expected)
         np.testing.assert_array_equal(scales, expected_scales)

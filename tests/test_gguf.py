@@ -186,6 +186,26 @@ def test_greedy_output_with_ngram_drafting_is_target_only(packages, name):
     _assert_ngram_greedy_is_target_only(pipe)
 
 
+def _logits(pipe, tokens=(5, 9, 2, 7, 11)) -> np.ndarray:
+    session = pipe.target
+    return session.forward(np.array(tokens, np.int64), session.new_cache(8))
+
+
+def test_load_lets_go_of_the_tensors_it_made(packages, monkeypatch):
+    """The K-quant package's tensors made at load are dropped once onnxruntime holds its own
+    copies, and the logits are bit for bit those of a session that keeps them."""
+    from edgespec.runtime import unpack
+
+    package = packages["llama_k"]
+    assert unpack.read(package / "target")
+    pipe = edgespec.load(package)
+    assert pipe.target.session.edgespec_unpacked == {}
+    monkeypatch.setattr(unpack, "release_unpacked", lambda session, probe: 0)
+    kept = edgespec.load(package)
+    assert kept.target.session.edgespec_unpacked
+    np.testing.assert_array_equal(_logits(pipe), _logits(kept))
+
+
 def test_a_gguf_pair_quantized_draft_is_exact(files, tmp_path):
     """A GGUF target with a GGUF draft (a folder holding one .gguf): the pair checks pass and
     greedy output with the draft is target-only output; a draft asked to be int4 computes in
@@ -200,6 +220,12 @@ def test_a_gguf_pair_quantized_draft_is_exact(files, tmp_path):
     assert weights["tensors"]["repacked"] == {"Q4_0": 4, "Q4_1": 8}
     assert weights["tensors"]["dequantized"] == {"Q8_0": 3} and weights["requantized"]
     assert manifest.draft.quantization == "int4"
+    import onnx  # the file's blocks stay blocks of 32; those quantized here are the widest
+    # that divide every matrix's input (hidden 64: precision.draft_block_size)
+    graph = onnx.load(str(tmp_path / "pair" / "draft" / "model.onnx"), load_external_data=False)
+    sizes = {a.i for n in graph.graph.node if n.op_type == "MatMulNBits"
+             for a in n.attribute if a.name == "block_size"}
+    assert sizes == {32, 64}
     pipe = edgespec.load(tmp_path / "pair")
     prompt = "for i in range(10):\n    print(i * i)\n"
     baseline = pipe.generate(prompt, max_new_tokens=24, drafter="none").token_ids

@@ -26,9 +26,9 @@ from serve_helpers import child_running, wait_until, with_normalizer, with_templ
 import edgespec
 from edgespec.cli import main
 from edgespec.models import demo_package
-from edgespec.serve import text_process
-from edgespec.serve.chat import ChatTemplate, ChatTemplateError
-from edgespec.serve.text_process import TokenizerError
+from edgespec.errors import ChatTemplateError, TokenizerError
+from edgespec.runtime import bounded_text
+from edgespec.runtime.chat_template import ChatTemplate
 
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"),
                            reason="the child's memory limit and /proc are Linux's")
@@ -58,7 +58,7 @@ def one_error_line(stderr: str, match: str) -> str:
 @pytest.fixture
 def short_deadline(monkeypatch):
     """Renders and tokenizing on the library's path given 1 s, not LIBRARY_TIMEOUT_S."""
-    monkeypatch.setattr(text_process, "LIBRARY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(bounded_text, "LIBRARY_TIMEOUT_S", 1.0)
 
 
 @pytest.fixture(scope="module")
@@ -151,13 +151,14 @@ def test_a_templates_escape_sequences_are_shown_escaped(chat_package, tmp_path):
 
 def test_distilling_renders_the_checkpoints_template_as_transformers_does_within_bounds(
         chat_package, monkeypatch):
-    """Before: smollm2_draft.answer called apply_chat_template, whose Jinja folds constants
-    while compiling (HUGE: 6.3 GB in the training process) and has no deadline (LOOPING)."""
+    """Before: the teacher's answer (models/recipe/teacher.py) called apply_chat_template,
+    whose Jinja folds constants while compiling (HUGE: 6.3 GB in the training process) and has
+    no deadline (LOOPING)."""
     from transformers import PreTrainedTokenizerFast
 
-    from edgespec.models.recipe.smollm2_draft import chat_ids
+    from edgespec.models.recipe.teacher import chat_ids
 
-    monkeypatch.setattr(text_process, "LIBRARY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(bounded_text, "LIBRARY_TIMEOUT_S", 1.0)
     manifest = json.loads((chat_package / "edgespec.json").read_text())
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=str(chat_package / "tokenizer.json"),
@@ -267,10 +268,12 @@ def test_one_pipeline_tokenizes_for_threads_that_come_and_go():
 
 def test_the_bounded_child_needs_no_serve_extra(chat_package):
     """The library's bounded child is the server's, but neither it nor the parent's side may
-    import the serve extra (Starlette, pydantic): the library runs without it."""
+    import the serve extra (Starlette, pydantic), nor anything of edgespec.serve: the library
+    runs without it (the child and the template engine are runtime/'s)."""
     code = ("import sys, edgespec; pipe = edgespec.load(sys.argv[1]); "
             "pipe.encode('hi'); pipe.encode_chat([{'role': 'user', 'content': 'hi'}]); "
-            "print(sorted(m for m in ('starlette', 'pydantic', 'uvicorn') if m in sys.modules))")
+            "print(sorted(m for m in ('starlette', 'pydantic', 'uvicorn', 'edgespec.serve') "
+            "if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code, str(chat_package)], capture_output=True,
                           text=True, env=_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -62,7 +62,7 @@ def test_models_and_health(client):
 
 @pytest.mark.parametrize("settings", [
     {"temperature": 0, "max_tokens": 24},
-    {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 7, "max_tokens": 24, "gamma": 6},
+    {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 7, "max_tokens": 24, "draft_length": 6},
     {"temperature": 0, "max_tokens": 40, "stop": ["\n"], "schedule": "heuristic"},
     {"temperature": 0.8, "max_tokens": 24, "seed": 4, "drafter": "ngram"},
     {"temperature": 1.0, "min_p": 0.1, "max_tokens": 24, "seed": 2},
@@ -84,6 +84,36 @@ def test_a_completion_equals_generate_with_the_same_settings(client, demo, setti
                             "total_tokens": prompt_tokens + expected.stats.new_tokens}
     assert out["object"] == "text_completion" and out["model"] == "demo"
     assert {"acceptance_rate", "tokens_per_target_call", "tokens_per_s"} <= set(out["edgespec"])
+
+
+def test_the_library_the_cli_and_the_server_name_each_setting_alike(client, demo, caplog):
+    """draft_length and drafter are the library's keywords, the server's fields and, dashed,
+    the CLI's flags; the former gamma and use_draft=False (--gamma, --no-draft) are the same
+    settings on every surface (config.former_settings), each with a notice."""
+
+    def texts(library: dict, server: dict, flags: list) -> list[tuple[str, int]]:
+        lib = demo.generate(PROMPT, max_new_tokens=12, schedule="fixed", **library)
+        out = complete(client, max_tokens=12, schedule="fixed", **server).json()
+        cli = CliRunner().invoke(main, ["generate", str(demo_package()), PROMPT, "-n", "12",
+                                        "--schedule", "fixed", "--json", *flags])
+        assert cli.exit_code == 0, cli.output
+        cli_out = json.loads(cli.stdout)
+        return [(lib.text, lib.stats.drafted), (cli_out["text"], cli_out["stats"]["drafted"]),
+                (out["choices"][0]["text"], out["edgespec"]["drafted"])]
+
+    current = texts({"draft_length": 3, "drafter": "model"},
+                    {"draft_length": 3, "drafter": "model"},
+                    ["--draft-length", "3", "--drafter", "model"])
+    assert len(set(current)) == 1 and current[0][1] > 0
+    with pytest.warns(DeprecationWarning, match="gamma"), caplog.at_level("WARNING"):
+        former = texts({"gamma": 3, "drafter": "model"}, {"gamma": 3, "drafter": "model"},
+                       ["--gamma", "3", "--drafter", "model"])
+    assert former == current
+    assert "a request gave gamma, deprecated: send draft_length" in caplog.text
+    alone = texts({"drafter": "none"}, {"drafter": "none"}, ["--drafter", "none"])
+    with pytest.warns(DeprecationWarning, match="use_draft"):
+        former_alone = texts({"use_draft": False}, {"use_draft": False}, ["--no-draft"])
+    assert len(set(alone)) == 1 and alone[0][1] == 0 and former_alone == alone
 
 
 def test_openai_default_is_16_tokens_and_prompts_may_be_token_ids(client, demo):
@@ -141,6 +171,7 @@ BAD_COMPLETIONS = [  # body, status, param, code
     (b'{"model": "demo", "prompt": "x", "repetition_penalty": 0}', 400, "repetition_penalty",
      None),
     (b'{"model": "demo", "prompt": "x", "gamma": 65}', 400, "gamma", None),
+    (b'{"model": "demo", "prompt": "x", "draft_length": 65}', 400, "draft_length", None),
     (b'{"model": "demo", "prompt": "x", "schedule": "fast"}', 400, "schedule", None),
     (b'{"model": "demo", "prompt": "x", "drafter": "oracle"}', 400, "drafter", None),
     (b'{"model": "demo", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', 400, "stop", None),
@@ -225,7 +256,7 @@ MESSAGES = [{"role": "system", "content": "Python"},  # the test pair's context:
 def test_chat_renders_as_transformers_does_with_one_bos(chat_package, tmp_path):
     from transformers import AutoTokenizer
 
-    from edgespec.serve.chat import ChatTemplate
+    from edgespec.runtime.chat_template import ChatTemplate
 
     pkg = tmp_path / "bos"  # a package whose tokenizer adds BOS to plain prompts
     with_manifest(chat_package, pkg, add_bos_token=True)

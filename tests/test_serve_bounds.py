@@ -324,10 +324,10 @@ def test_an_api_key_a_client_cannot_send_is_refused_in_one_line(key, message):
 
 def test_a_client_that_stops_reading_is_dropped_after_the_read_timeout():
     """uvicorn holds what a client does not read; past the socket's buffers the protocol
-    (server.py) gives such a client read_timeout_s, then drops it, and the app's writes stop."""
+    (transport.py) gives such a client read_timeout_s, then drops it, and the app's writes stop."""
     import uvicorn
 
-    from edgespec.serve.server import _protocol
+    from edgespec.serve.transport import protocol
 
     chunk, sent, gone = b"x" * 65536, [], threading.Event()
 
@@ -346,7 +346,7 @@ def test_a_client_that_stops_reading_is_dropped_after_the_read_timeout():
         await watcher
 
     sock = socket.create_server(("127.0.0.1", 0))
-    config = uvicorn.Config(app, http=_protocol(1.0), log_level="warning", lifespan="off")
+    config = uvicorn.Config(app, http=protocol(1.0), log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

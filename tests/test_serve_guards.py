@@ -189,7 +189,7 @@ def test_a_server_answers_each_conversation_from_its_kept_caches(chat_package):
                 history.append({"role": "user", "content": f"{name} says {turn}"})
                 out = client.post("/v1/chat/completions", json={
                     "model": "chat", "messages": history, "temperature": 0, "max_tokens": 6,
-                    "gamma": 2, "schedule": "fixed"}).json()
+                    "draft_length": 2, "schedule": "fixed"}).json()
                 expected = fresh.generate(pipe.encode_chat(history), max_new_tokens=6,
                                           draft_length=2, schedule="fixed")
                 assert out["choices"][0]["message"]["content"] == expected.text, out

@@ -161,7 +161,7 @@ def test_sparse_kl_folds_tokens_outside_the_draft_head_into_the_tail():
     hand from dense distributions (a version that left the dropped tokens' p in the top-K sum,
     or gathered q at their made-up index, differs)."""
     torch = pytest.importorskip("torch")
-    from edgespec.models.recipe.distill import sparse_kl
+    from edgespec.models.recipe.losses import sparse_kl
 
     torch.manual_seed(0)
     log_p = torch.log_softmax(torch.randn(5, 12), -1)

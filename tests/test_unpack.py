@@ -123,3 +123,44 @@ def test_rotary_tables_have_a_budget_of_their_own(tmp_path):
     many = {str(i): {**table, "positions": 1 << 16} for i in range(17)}  # 17 x 16 MB
     with pytest.raises(ManifestError, match="far more bytes"):
         unpack.read(_folder(tmp_path, many))
+
+
+class _Session:
+    """What release_unpacked sees of an onnxruntime session."""
+
+    def __init__(self, folder, provider="CPUExecutionProvider"):
+        self.edgespec_unpacked, self.edgespec_folder = unpack.read(folder), folder
+        self.provider = provider
+
+    def get_providers(self):
+        return [self.provider]
+
+
+def _two_tensors(tmp_path):
+    return _folder(tmp_path, {"a": _part(0, [4, 8]), "b": _part(32, [2, 4], "float32")})
+
+
+def test_tensors_nothing_reads_are_let_go(tmp_path):
+    session = _Session(_two_tensors(tmp_path))
+    assert unpack.release_unpacked(session, lambda: [np.ones(3)]) == 32 + 32
+    assert session.edgespec_unpacked == {}
+
+
+def test_tensors_a_run_still_reads_are_made_again_and_kept(tmp_path):
+    """A probe whose outputs come from the tensors (a kernel that reads them at each run): the
+    zeroed tensors change them, so every tensor is made again and kept (dropped or left
+    zeroed, the graph's outputs would be garbage)."""
+    folder = _two_tensors(tmp_path)
+    session = _Session(folder)
+    made = session.edgespec_unpacked
+    assert unpack.release_unpacked(session, lambda: [made["a"].sum()]) == 0
+    assert set(made) == {"a", "b"}
+    for name, array in unpack.read(folder).items():
+        np.testing.assert_array_equal(made[name], array)
+
+
+def test_tensors_of_other_providers_are_kept(tmp_path):
+    """TensorRT builds its engines at the first run, from the weights as given."""
+    session = _Session(_two_tensors(tmp_path), "TensorrtExecutionProvider")
+    assert unpack.release_unpacked(session, lambda: [np.ones(3)]) == 0
+    assert set(session.edgespec_unpacked) == {"a", "b"}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-from edgespec.cli.base import main, resolve_package, runtime, user_errors
-from edgespec.config import PROVIDERS, GenerationConfig
+from edgespec.cli.base import deprecated_flag, main, resolve_package, runtime, user_errors
+from edgespec.config import PROVIDERS, GenerationConfig, check_draft_length
 
 _DEFAULTS = GenerationConfig()
 # --quick's settings, by option: edgespec/bench.py's QUICK (that module loads numpy and
@@ -31,13 +31,14 @@ def _ints(text: str) -> tuple[int, ...]:
 
 @main.command()
 @click.argument("package", required=False, type=click.Path(path_type=Path))
-@click.option("--gamma", "gammas", default="2,4,8", show_default=True,
+@click.option("--draft-length", "gammas", default="2,4,8", show_default=True,
               help="Draft lengths to compare, comma-separated (the largest is the adaptive "
-                   "schedule's most, as generate's --gamma).")
+                   "schedule's most, as generate's --draft-length).")
+@click.option("--gamma", "former_gammas", hidden=True, help="Deprecated: --draft-length.")
 @click.option("--temperature", "temperatures", default="0,0.7,1", show_default=True,
               help="Temperatures, comma-separated.")
 @click.option("--schedule", "schedules", default="adaptive,fixed", show_default=True,
-              help="Draft-length schedules, comma-separated: fixed runs every --gamma; "
+              help="Draft-length schedules, comma-separated: fixed runs every --draft-length; "
                    "heuristic and adaptive (generate's default) run once with the largest.")
 @click.option("--drafter", "drafters", default="auto", show_default=True,
               help="Drafters to compare, comma-separated: model (the package's draft; an "
@@ -51,7 +52,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--repeats", default=3, show_default=True, help="Runs of each prompt.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the report here.")
 @click.option("--plot", "plot_out", type=click.Path(path_type=Path),
-              help="Plot speedup against gamma to this PNG (needs matplotlib).")
+              help="Plot speedup against the draft length to this PNG (needs matplotlib).")
 @click.option("--provider", default="auto", show_default=True,
               type=click.Choice(PROVIDERS))
 @click.option("--quick", is_flag=True,
@@ -60,8 +61,8 @@ def _ints(text: str) -> tuple[int, ...]:
                    "still apply).")
 @click.pass_context
 @user_errors
-def bench(ctx: click.Context, package: Path | None, gammas: str, temperatures: str,
-          schedules: str, drafters: str, max_new_tokens: int, prompts_file: Path | None,
+def bench(ctx: click.Context, package: Path | None, gammas: str, former_gammas: str | None,
+          temperatures: str, schedules: str, drafters: str, max_new_tokens: int, prompts_file: Path | None,
           repeats: int, json_out: Path | None, plot_out: Path | None, provider: str,
           quick: bool) -> None:
     """Speedup of speculative over target-only decoding, measured side by side. Ctrl-C prints
@@ -69,10 +70,16 @@ def bench(ctx: click.Context, package: Path | None, gammas: str, temperatures: s
     load = runtime().load
     from edgespec import bench as benchmark
 
+    option = "--draft-length"
+    if former_gammas is not None:
+        deprecated_flag("--gamma", option)
+        gammas, option = former_gammas, "--gamma"
     try:
         gamma_list, temperature_list = _ints(gammas), _floats(temperatures)
     except ValueError as e:
-        raise click.ClickException(f"--gamma/--temperature: {e}") from None
+        raise click.ClickException(f"{option}/--temperature: {e}") from None
+    for gamma in gamma_list:  # named as the option given
+        check_draft_length(option, gamma)
     config = benchmark.BenchConfig(gamma_list, temperature_list, max_new_tokens, repeats,
                                    schedules=tuple(schedules.split(",")),
                                    drafters=tuple(drafters.split(",")))
@@ -80,7 +87,8 @@ def bench(ctx: click.Context, package: Path | None, gammas: str, temperatures: s
         default = click.core.ParameterSource.DEFAULT
         config = replace(config, **{option: getattr(benchmark.QUICK, option)
                                     for option in _QUICK_OPTIONS
-                                    if ctx.get_parameter_source(option) == default})
+                                    if ctx.get_parameter_source(option) == default
+                                    and not (option == "gammas" and former_gammas)})
     if json_out:  # outputs checked now: the benchmark may take many minutes
         benchmark.check_writable(json_out, "--json")
     if plot_out:

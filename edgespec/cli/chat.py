@@ -17,8 +17,8 @@ from pathlib import Path
 
 import click
 
-from edgespec.cli.base import (check_chat_template, main, runtime, sampling_line,
-                               sampling_options, user_errors)
+from edgespec.cli.base import (check_chat_template, former_flags, main, runtime,
+                               sampling_line, sampling_options, user_errors)
 from edgespec.config import (
     DRAFTERS,
     PROVIDERS,
@@ -48,9 +48,10 @@ REPLY_ROOM = 512
               help="The longest reply. [default: the rest of the context window]")
 @sampling_options
 @click.option("--seed", type=int, default=None, help="Seed for sampling.")
-@click.option("--gamma", "-k", default=_DEFAULTS.draft_length, show_default=True,
+@click.option("--draft-length", "-k", default=_DEFAULTS.draft_length, show_default=True,
               help="Draft length k: every round's (fixed), the first (heuristic), the most "
                    "(adaptive).")
+@click.option("--gamma", type=int, hidden=True, help="Deprecated: --draft-length.")
 @click.option("--schedule", default=_DEFAULTS.schedule, show_default=True,
               type=click.Choice(SCHEDULES), help="How each round's draft length is chosen.")
 @click.option("--drafter", default=_DEFAULTS.drafter, show_default=True,
@@ -63,17 +64,19 @@ def chat(package: Path | None, system: str | None, max_new_tokens: int | None,
          temperature: float | None, top_k: int | None, top_p: float | None,
          min_p: float | None, repetition_penalty: float | None,
          presence_penalty: float | None, frequency_penalty: float | None, seed: int | None,
-         gamma: int, schedule: str, drafter: str, provider: str) -> None:
+         draft_length: int, gamma: int | None, schedule: str, drafter: str,
+         provider: str) -> None:
     """Chat with the model in PACKAGE through its chat template (default: the demo pair,
     which has none). At a terminal: /help lists the commands, Ctrl-C stops a reply. Piped:
     each line is a message, each reply goes to stdout, ended by a newline."""
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
              "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
              "frequency_penalty": frequency_penalty}
-    # settings refused now, before the slow load (gamma by the option's name)
-    check_draft_length("gamma", gamma)
-    config = GenerationConfig(sampling=resolve_sampling(given, {}), draft_length=gamma,
-                              schedule=schedule, seed=seed, drafter=drafter)
+    # settings refused now, before the slow load (the draft length by the option's name)
+    check_draft_length("--draft-length", draft_length)
+    drafting = {"draft_length": draft_length, **former_flags(gamma=gamma)}
+    config = GenerationConfig(sampling=resolve_sampling(given, {}), schedule=schedule,
+                              seed=seed, drafter=drafter, **drafting)
     path = check_chat_template(package)
     pipe = runtime().load(path, provider=provider)
     config = replace(config, sampling=resolve_sampling(given, pipe.manifest.generation))

@@ -12,6 +12,7 @@ import click
 
 from edgespec.cli.base import (
     check_chat_template,
+    former_flags,
     resolve_package,
     main,
     needs_export_extra,
@@ -25,7 +26,6 @@ from edgespec.config import (
     EXPORT_GRAPHS,
     EXPORT_QUANTIZATIONS,
     EXPORT_VALIDATIONS,
-    NO_DRAFTER,
     PROVIDERS,
     SCHEDULES,
     GenerationConfig,
@@ -107,9 +107,10 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
 @click.argument("args", nargs=-1, required=True, metavar="[PACKAGE] PROMPT")
 @click.option("--max-new-tokens", "-n", default=_DEFAULTS.max_new_tokens, show_default=True)
 @sampling_options
-@click.option("--gamma", "-k", default=_DEFAULTS.gamma, show_default=True,
+@click.option("--draft-length", "-k", default=_DEFAULTS.draft_length, show_default=True,
               help="Draft length k: every round's (fixed), the first (heuristic), "
                    "the most (adaptive, up to 16).")
+@click.option("--gamma", type=int, hidden=True, help="Deprecated: --draft-length.")
 @click.option("--schedule", default=_DEFAULTS.schedule, show_default=True,
               type=click.Choice(SCHEDULES),
               help="How each round's draft length is chosen.")
@@ -123,7 +124,7 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
               help="Longest suffix the n-gram lookup matches.")
 @click.option("--ngram-min", default=_DEFAULTS.ngram_min, show_default=True,
               help="Shortest suffix the n-gram lookup matches.")
-@click.option("--no-draft", is_flag=True, help="Decode with the target alone (the baseline).")
+@click.option("--no-draft", is_flag=True, hidden=True, help="Deprecated: --drafter none.")
 @click.option("--ignore-eos", is_flag=True, help="Generate --max-new-tokens even past EOS.")
 @click.option("--token-healing/--no-token-healing", default=_DEFAULTS.token_healing,
               show_default=True,
@@ -144,7 +145,7 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
 def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, min_p: float | None,
              repetition_penalty: float | None, presence_penalty: float | None,
-             frequency_penalty: float | None, gamma: int,
+             frequency_penalty: float | None, draft_length: int, gamma: int | None,
              schedule: str,
              seed: int | None, stop: tuple[str, ...], drafter: str, ngram_max: int,
              ngram_min: int, no_draft: bool, ignore_eos: bool, token_healing: bool,
@@ -172,19 +173,20 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
              "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
              "frequency_penalty": frequency_penalty}
-    check_draft_length("gamma", gamma)  # an error names the option, not the config's field
+    check_draft_length("--draft-length", draft_length)  # named as the option, not the field
+    drafting = {"draft_length": draft_length, "drafter": drafter,
+                **former_flags(gamma=gamma, use_draft=False if no_draft else None)}
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         sampling=resolve_sampling(given, {}),
-        draft_length=gamma,
         schedule=schedule,
         seed=seed,
         stop=stop,
         ignore_eos=ignore_eos,
-        drafter=NO_DRAFTER if no_draft else drafter,
         ngram_min=ngram_min,
         ngram_max=ngram_max,
         token_healing=token_healing,
+        **drafting,
     )
     package = check_chat_template(package) if as_chat else resolve_package(package)
     pipe = load(package, provider=provider, draft_provider=draft_provider)

@@ -10,9 +10,10 @@ import click
 from edgespec.cli.base import main, needs_export_extra, user_errors
 from edgespec.export.aux_layers import RULE as AUX_LAYERS_RULE
 from edgespec.models.named import MODELS
-from edgespec.models.recipe.config import RecipeConfig
+from edgespec.models.recipe.config import DistillConfig, RecipeConfig
 
 RECIPE = RecipeConfig()  # build-demo's defaults: the recipe's own
+DISTILL = DistillConfig()  # distill's defaults
 
 
 @main.group()
@@ -98,34 +99,44 @@ def build_demo(out: Path, target_minutes: float, draft_minutes: float,
               help="The target: a Hugging Face folder or a .gguf file.")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Folder of the head (created; a second run with the same --out resumes).")
-@click.option("--data", type=click.Choice(["chat", "code"]), default="chat", show_default=True,
-              help="What the target writes to learn from: answers to chat prompts, or "
-                   "continuations of this Python's standard library (the demo's corpus).")
-@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=20.0,
+@click.option("--data", type=click.Choice(["chat", "code"]), default=DISTILL.data,
+              show_default=True,
+              help="What the target writes to learn from: answers to chat prompts (with its "
+                   "chat template), or continuations of this Python's standard library (the "
+                   "demo's corpus).")
+@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=DISTILL.minutes,
               show_default=True, help="Training budget (the target's texts come first).")
-@click.option("--draft-vocab", type=click.IntRange(1), default=8192, show_default=True,
+@click.option("--max-steps", type=click.IntRange(1), default=DISTILL.max_steps,
+              help="Stop training after this many optimizer steps, if before --minutes.")
+@click.option("--draft-vocab", type=click.IntRange(1), default=DISTILL.draft_vocab,
+              show_default=True,
               help="Tokens the head scores: the most frequent in the target's texts.")
-@click.option("--steps", type=click.IntRange(1, 8), default=3, show_default=True,
+@click.option("--steps", type=click.IntRange(1, 8), default=DISTILL.steps, show_default=True,
               help="Training-time-test steps: how many chained drafts the loss covers.")
-@click.option("--prompts", type=click.IntRange(1), nargs=3, default=(300, 72, 96),
+@click.option("--prompts", type=click.IntRange(1), nargs=3, default=DISTILL.prompts,
               show_default=True, help="--data chat: questions, write-a-function and edit "
                                       "prompts (a second round asks as many over the answers).")
-@click.option("--tokens", type=click.IntRange(1000), default=150_000, show_default=True,
+@click.option("--tokens", type=click.IntRange(1000), default=DISTILL.tokens, show_default=True,
               help="--data code: tokens of continuations.")
+@click.option("--new-tokens", type=click.IntRange(1), default=DISTILL.new_tokens,
+              show_default=True, help="The longest reply or continuation the target writes.")
 @click.option("--aux-layers", type=click.IntRange(0), nargs=3,
               help=f"Target layers whose input streams the head reads, three different ones "
                    f"[default: {AUX_LAYERS_RULE}].")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=DISTILL.seed, show_default=True, type=click.IntRange(0))
 @user_errors
-def distill(target: Path, out: Path, data: str, minutes: float, draft_vocab: int, steps: int,
-            prompts: tuple[int, int, int], tokens: int, aux_layers: tuple[int, ...] | None,
-            seed: int) -> None:
+def distill(target: Path, out: Path, data: str, minutes: float, max_steps: int | None,
+            draft_vocab: int, steps: int, prompts: tuple[int, int, int], tokens: int,
+            new_tokens: int, aux_layers: tuple[int, ...] | None, seed: int) -> None:
     """Train an EAGLE-3 draft head for TARGET on its own texts, on this machine (needs the
     export extra); then: edgespec export --target TARGET --draft OUT --out PACKAGE."""
     recipe = needs_export_extra("edgespec.models.recipe.eagle3_distill")
+    config = DistillConfig(data=data, minutes=minutes, max_steps=max_steps,
+                           draft_vocab=draft_vocab, steps=steps, prompts=tuple(prompts),
+                           tokens=tokens, new_tokens=new_tokens, seed=seed,
+                           aux_layers=tuple(aux_layers) if aux_layers else None)
 
     def report(line: str) -> None:
         click.echo(line, err=True)
 
-    recipe.distill(target, out, data, minutes, draft_vocab, steps, prompts, tokens,
-                   seed=seed, aux_layers=aux_layers or None, report=report)
+    recipe.distill(target, out, config, report=report)

@@ -65,7 +65,8 @@ def build_fused_graph(model: PreTrainedModel, tensors, folder: Path, keep_precis
                       bits: int | None = None, int8_compute: bool = False,
                       token_ids: np.ndarray | None = None,
                       progress: Callable[[str], None] | None = None,
-                      eagle_fc: tuple[tuple[int, ...], torch.Tensor] | None = None) -> dict:
+                      eagle_fc: tuple[tuple[int, ...], torch.Tensor] | None = None,
+                      block_size: int = QUANT_BLOCK_SIZE) -> dict:
     """Write folder/model.onnx for a Llama-family model; the graph computes in float32.
 
     model: the model's modules, on PyTorch's meta device (graph.meta_model: config, tying,
@@ -80,7 +81,7 @@ def build_fused_graph(model: PreTrainedModel, tensors, folder: Path, keep_precis
         (precision.quantize_blocks: block-wise symmetric, onnxruntime's quantizer's bytes), and
         in int4 the embedding a GatherBlockQuantized; a tied table is stored once, read by both
         ends. Other weights keep their precision. int8_compute: the MatMulNBits compute with
-        int8 activations (accuracy_level 4).
+        int8 activations (accuracy_level 4). block_size: the blocks ``bits`` quantizes in.
     Weights go straight to disk as they are made (model.onnx_data above 64 MB of them).
     progress: a line after each layer (layers done, MB written, seconds). Returns the number of
     float weights per stored type.
@@ -109,12 +110,12 @@ def build_fused_graph(model: PreTrainedModel, tensors, folder: Path, keep_precis
     if hasattr(tensors, "packed"):  # blocks as stored, some maybe dequantized: at most 8x
         stored = 8 * tensors.nbytes
     else:
-        stored = _stored_bytes(model, tensors, keep_precision, bits, head_rows)
+        stored = _stored_bytes(model, tensors, keep_precision, bits, head_rows, block_size)
     external = stored > EXTERNAL_ABOVE
     with WeightStore(folder, external=external, keep_precision=keep_precision) as store:
         builder = _Builder(model, tensors, store, tie=tie, bits=bits, int8_compute=int8_compute,
                            token_ids=token_ids, progress=progress or (lambda line: None),
-                           eagle_fc=eagle_fc)
+                           eagle_fc=eagle_fc, block_size=block_size)
         graph = builder.build()
     write_graph(graph, folder, [("", _OPSET), (_MS, 1)])
     return store.counts
@@ -127,7 +128,7 @@ def is_tied(model: PreTrainedModel) -> bool:
 
 
 def _stored_bytes(model, tensors, keep_precision: bool, bits: int | None,
-                  head_rows: int) -> int:
+                  head_rows: int, block_size: int) -> int:
     """About how many bytes of weights the graph will hold (decides external data).
 
     head_rows: rows of an output layer stored beside a tied table (0 when it is shared).
@@ -135,7 +136,7 @@ def _stored_bytes(model, tensors, keep_precision: bool, bits: int | None,
     parameters = sum(p.numel() for p in model.parameters())  # a tied table once
     parameters += head_rows * model.config.hidden_size
     if bits:  # + a float32 scale a block
-        return int(parameters * (bits + 32 / QUANT_BLOCK_SIZE) / 8)
+        return int(parameters * (bits + 32 / block_size) / 8)
     return tensors.nbytes if keep_precision else parameters * 4
 
 
@@ -158,7 +159,9 @@ class _Builder:
     def __init__(self, model: PreTrainedModel, tensors, store: WeightStore, tie: bool,
                  bits: int | None, int8_compute: bool, token_ids: np.ndarray | None,
                  progress: Callable[[str], None],
-                 eagle_fc: tuple[tuple[int, ...], torch.Tensor] | None = None):
+                 eagle_fc: tuple[tuple[int, ...], torch.Tensor] | None = None,
+                 block_size: int = QUANT_BLOCK_SIZE):
+        self.block_size = block_size  # of the weights quantized here (``quantized``)
         self.model, self.config, self.tensors, self.store = model, model.config, tensors, store
         self.tie, self.bits, self.int8_compute = tie, bits, int8_compute
         self.token_ids, self.eagle_fc = token_ids, eagle_fc
@@ -226,12 +229,12 @@ class _Builder:
                   ) -> _NBits:
         """w's blocks and scales stored as ``name``_Q<bits> (in ``shape`` if given) and
         ``name``_scales."""
-        packed, scales = quantize_blocks(w, self.bits)
+        packed, scales = quantize_blocks(w, self.bits, block_size=self.block_size)
         if shape:
             packed = packed.reshape(shape)
         return _NBits(self.weight(f"{name}_Q{self.bits}", packed, counted=False),
                       self.weight(f"{name}_scales", scales, counted=False), None, self.bits,
-                      QUANT_BLOCK_SIZE)
+                      self.block_size)
 
     def packed(self, names: list[str]):
         """The source's own blocks of these weights (export/gguf.py's Packed), or None: blocks
@@ -461,20 +464,20 @@ class _Builder:
         table = self.tensors.read(EMBED)  # [V, H]
         self.embed_dtype = table.dtype
         vocab, hidden = table.shape
-        if self.bits == 4 and hidden % QUANT_BLOCK_SIZE == 0:
+        if self.bits == 4 and hidden % self.block_size == 0:
             if self.tie:
                 tied = self.quantized("lm_head", table)
                 data, scales = tied.data, tied.scales
                 (data,) = self.node("Reshape", [data, self.weight(
                     "tied.shape", np.array([vocab, hidden // 2]))], outputs=["tied.table"])
                 (scales,) = self.node("Reshape", [scales, self.weight(
-                    "tied.scale_shape", np.array([vocab, hidden // QUANT_BLOCK_SIZE]))],
+                    "tied.scale_shape", np.array([vocab, hidden // self.block_size]))],
                     outputs=["tied.scales"])
             else:
                 data, scales = self.quantized("embed", table, shape=(vocab, hidden // 2))[:2]
                 tied = ()
             (x,) = self.node("GatherBlockQuantized", [data, "input_ids", scales], domain=_MS,
-                             block_size=QUANT_BLOCK_SIZE, gather_axis=0, quantize_axis=1)
+                             block_size=self.block_size, gather_axis=0, quantize_axis=1)
             return x, tied  # bits: the default, 4 (onnxruntime < 1.23 refuses the attribute)
         if not self.tie:
             (x,) = self.node("Gather", [self.weight("embed", table), "input_ids"])

@@ -33,7 +33,9 @@ from edgespec.export.graph import describe_graph, export_graph, load_model, meta
 from edgespec.export.memory import usage
 from edgespec.export.onnx_io import pin_ir_version
 from edgespec.export.precision import (
+    QUANT_BLOCK_SIZE,
     convert_fp16,
+    draft_block_size,
     quantize_weights,
     store_exact_halves,
 )
@@ -354,11 +356,15 @@ def _write_fused(ckpt: Checkpoint, folder: Path, role: str, variant: str,
         loaded = load_model(ckpt.path)
         tensors = ModelTensors(loaded)
     bits = int(variant[3:]) if variant in EXPORT_QUANTIZATIONS else None
-    report.detail(f"writing the fused graph ({variant}, "
+    block_size = (draft_block_size(ckpt.config) if role == "draft" and bits == 4
+                  else QUANT_BLOCK_SIZE)
+    report.detail(f"writing the fused graph ({variant}"
+                  f"{f', blocks of {block_size}' if bits else ''}, "
                   f"{'one tensor at a time' if loaded is None else 'from the loaded model'})")
     stored = build_fused_graph(model, tensors, folder, keep_precision=variant != "fp16",
                                bits=bits, int8_compute=int8_compute,
-                               token_ids=token_ids, progress=report.detail, eagle_fc=eagle_fc)
+                               token_ids=token_ids, progress=report.detail, eagle_fc=eagle_fc,
+                               block_size=block_size)
     about = {"architecture": ckpt.config.model_type,
              "parameters": sum(p.numel() for p in model.parameters())}
     if isinstance(tensors, GGUFTensors):

@@ -33,6 +33,7 @@ import numpy as np
 from edgespec.export.onnx_io import save_model
 
 QUANT_BLOCK_SIZE = 32
+DRAFT_BLOCK_SIZES = (128, 64, QUANT_BLOCK_SIZE)  # draft_block_size
 INT8_COMPUTE = 4  # MatMulNBits accuracy_level: int8 activations, integer dot products
 _MIN_WEIGHT_SIZE = 1024  # smaller constants are not worth a Cast node
 
@@ -125,13 +126,28 @@ def quantize_weights(folder: Path, bits: int, int8_compute: bool = False) -> Non
     _save(quantizer.model.model, folder)
 
 
-def quantize_blocks(weight, bits: int, rows: int = 256) -> tuple[np.ndarray, np.ndarray]:
-    """A Linear weight ``[N, K]`` (torch, any float type) as MatMulNBits stores it: the bytes
-    ``[N, K/32, 32 * bits / 8]`` (uint8) and the scales ``[N, K/32]`` (float32).
+def draft_block_size(config) -> int:
+    """The block a draft's int4 weights are quantized in: the widest of DRAFT_BLOCK_SIZES that
+    divides the inputs of all its matrices. A draft's precision moves acceptance, never the
+    output, and a wider block carries fewer scales: onnxruntime's int8-compute kernels read a
+    4-bit weight in blocks of 32 as 6 bits (a float scale and a float block sum a block), in
+    blocks of 128 as 4.5 (benchmarks/RESULTS.md, "The real pair": Qwen2.5-Coder-0.5B's step
+    reads 13% fewer bytes for the same acceptance)."""
+    heads = getattr(config, "num_attention_heads", 0) * (
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    inputs = (config.hidden_size, heads, getattr(config, "intermediate_size", 0))
+    return next((b for b in DRAFT_BLOCK_SIZES if all(k % b == 0 for k in inputs)),
+                QUANT_BLOCK_SIZE)
 
-    Bit for bit what onnxruntime's MatMulNBitsQuantizer makes of W^T with block_size 32 and
+
+def quantize_blocks(weight, bits: int, rows: int = 256, block_size: int = QUANT_BLOCK_SIZE
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """A Linear weight ``[N, K]`` (torch, any float type) as MatMulNBits stores it: the bytes
+    ``[N, K/B, B * bits / 8]`` (uint8) and the scales ``[N, K/B]`` (float32), B = block_size.
+
+    Bit for bit what onnxruntime's MatMulNBitsQuantizer makes of W^T with that block_size and
     is_symmetric (MLAS's BlockwiseQuantizer, read in its source and checked by the tests):
-    per block of 32 inputs of one output, m = the value of largest magnitude (the negative one
+    per block of B inputs of one output, m = the value of largest magnitude (the negative one
     on a tie), scale = -m / 2^(bits-1), q = clamp(roundf(w * (1 / scale) + 2^(bits-1)), 0,
     2^bits - 1) in float32 (roundf: halves away from zero), two 4-bit values a byte, low
     nibble first. The default zero point of MatMulNBits and GatherBlockQuantized (8 or 128)
@@ -146,25 +162,26 @@ def quantize_blocks(weight, bits: int, rows: int = 256) -> tuple[np.ndarray, np.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _quantize_blocks(weight, bits, rows)
+        return _quantize_blocks(weight, bits, rows, block_size)
     finally:
         torch.set_num_threads(threads)
 
 
-def _quantize_blocks(weight, bits: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+def _quantize_blocks(weight, bits: int, rows: int, block: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
     import torch
 
     n, k = weight.shape
-    blocks = -(-k // QUANT_BLOCK_SIZE)
-    kept = -(-(k % QUANT_BLOCK_SIZE) * bits // 8)  # bytes of a partial last block that hold weights
+    blocks = -(-k // block)
+    kept = -(-(k % block) * bits // 8)  # bytes of a partial last block that hold weights
     half = float(1 << (bits - 1))
-    packed = torch.empty((n, blocks, QUANT_BLOCK_SIZE * bits // 8), dtype=torch.uint8)
+    packed = torch.empty((n, blocks, block * bits // 8), dtype=torch.uint8)
     scales = torch.empty((n, blocks), dtype=torch.float32)
     for start in range(0, n, rows):
         x = weight[start : start + rows].float()
-        if k % QUANT_BLOCK_SIZE:
-            x = torch.nn.functional.pad(x, (0, blocks * QUANT_BLOCK_SIZE - k))
-        x = x.reshape(len(x), blocks, QUANT_BLOCK_SIZE)
+        if k % block:
+            x = torch.nn.functional.pad(x, (0, blocks * block - k))
+        x = x.reshape(len(x), blocks, block)
         high, low = x.amax(-1), x.amin(-1)
         scale = torch.where(high.abs() > low.abs(), high, low).neg_().div_(half)
         reciprocal = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))

@@ -30,8 +30,6 @@ TOKEN_IDS_NAME = "token_ids.npy"  # in the draft's folder: int32, ascending
 def frequent_tokens(tokenizer, vocab_size: int, size: int, texts: list[Path],
                     always: list[int]) -> np.ndarray:
     """The ``size`` token ids (ascending) the draft will score; ``always`` are included first."""
-    if not 0 < size <= vocab_size:
-        raise ExportError(f"draft_vocab must be in 1..{vocab_size} (the vocabulary), got {size}")
     counts: Counter[int] = Counter()
     for path in texts:
         try:
@@ -39,9 +37,18 @@ def frequent_tokens(tokenizer, vocab_size: int, size: int, texts: list[Path],
         except (OSError, UnicodeDecodeError) as e:
             raise ExportError(f"cannot read the calibration text {path} ({e}); pass a UTF-8 "
                               "text file (draft_vocab_texts)") from None
-        counts.update(i for i in tokenizer(text, add_special_tokens=False).input_ids
-                      if i < vocab_size)
-    ranked = sorted(counts, key=lambda i: (-counts[i], i))
+        counts.update(tokenizer(text, add_special_tokens=False).input_ids)
+    return rank_tokens(counts, vocab_size, size, always)
+
+
+def rank_tokens(counts: Counter[int], vocab_size: int, size: int, always: list[int]
+                ) -> np.ndarray:
+    """The ranking (module docstring): ``always`` first, then the ids by count, ties and the
+    rest by id; the first ``size`` of them, ascending int32. The one ranking of draft
+    vocabularies, here and for drafts trained on the target's texts (models/recipe/)."""
+    if not 0 < size <= vocab_size:
+        raise ExportError(f"draft_vocab must be in 1..{vocab_size} (the vocabulary), got {size}")
+    ranked = sorted((i for i in counts if i < vocab_size), key=lambda i: (-counts[i], i))
     chosen = dict.fromkeys(i for i in always if i is not None and i < vocab_size)
     for i in ranked:
         if len(chosen) >= size:

@@ -1,15 +1,13 @@
 """A conversation as the token ids a chat model reads: the package's chat template rendered,
-then tokenized without the tokenizer's own special tokens.
+then tokenized without the tokenizer's own special tokens (inputs.py's ``encode_text``, the
+one rule: the template writes its own, BOS included).
 
-The template writes every special token it wants, BOS included (transformers'
-``apply_chat_template`` tokenizes its output with ``add_special_tokens=False`` for this
-reason): adding the tokenizer's BOS again would give ``[bos, bos, ...]``, a prompt the model
-never saw in training. ``render_chat`` is the one rendering, done in the child process of
-serve/text_process.py (bounded in time and memory: the template comes with the package) for
-the server and, through ``chat_prompt_ids``, for the library and the command line.
+``render_chat`` is the one rendering, done in the child process of bounded_text.py (bounded
+in time and memory: the template comes with the package) for the server and, through
+``chat_prompt_ids``, for the library and the command line.
 
 The template itself (a bounded Jinja sandbox, as transformers renders it) is
-``edgespec.serve.chat.ChatTemplate``; it needs only jinja2, imported on first use so that
+chat_template.py's ``ChatTemplate``; it needs only jinja2, imported on first use so that
 ``import edgespec`` stays light.
 """
 
@@ -19,18 +17,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from edgespec.errors import GenerationError
+from edgespec.errors import ChatTemplateError, GenerationError
 from edgespec.manifest import Manifest
 
 if TYPE_CHECKING:
-    from edgespec.serve.chat import ChatTemplate
-    from edgespec.serve.text_process import BoundedText
+    from edgespec.runtime.bounded_text import BoundedText
+    from edgespec.runtime.chat_template import ChatTemplate
 
 
 def load_chat_template(folder: Path, manifest: Manifest) -> ChatTemplate:
     """The package's chat template, compiled; a ChatTemplateError if it has none (or it does
     not compile), saying what to do instead."""
-    from edgespec.serve.chat import ChatTemplate, ChatTemplateError
+    from edgespec.runtime.chat_template import ChatTemplate
 
     template = ChatTemplate.of_package(folder, manifest)
     if template is None:

@@ -41,6 +41,18 @@ def load_tokenizer(folder: Path, manifest: Manifest) -> Tokenizer:
     return tokenizer
 
 
+def encode_text(tokenizer: Tokenizer, manifest: Manifest, text: str,
+                rendered: bool = False) -> list[int]:
+    """The one rule for a text's token ids as the models read them, plain prompts and rendered
+    chat templates alike: the tokenizer's own special tokens are never added, then BOS first
+    (Manifest.with_bos) for plain text only. A rendered template writes every special token it
+    wants, BOS included (transformers' ``apply_chat_template`` tokenizes with
+    ``add_special_tokens=False`` for this reason): another would read ``[bos, bos, ...]``.
+    Run in the bounded child (bounded_text.py) for the Pipeline and the server alike."""
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    return ids if rendered else manifest.with_bos(ids)
+
+
 def check_text(prompt: str) -> None:
     """Refuse a prompt that is not a str, or holds lone surrogates: what Python makes of bytes
     that are not UTF-8 (a shell argument ``$'\\xff'``), which no tokenizer can encode."""

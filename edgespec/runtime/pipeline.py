@@ -146,8 +146,9 @@ class Pipeline:
             i for i in (*m.eos_token_ids, m.bos_token_id, m.pad_token_id) if i is not None}
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """The prompt's token ids: text is tokenized (BOS first where the tokenizer adds one;
-        in ``bounded_text``'s child, a TokenizerError past its time or memory limit);
+        """The prompt's token ids: text is tokenized by inputs.encode_text's rule (BOS first
+        where the tokenizer adds one; in ``bounded_text``'s child, a TokenizerError past its
+        time or memory limit);
         a sequence of ids is taken as it is, each checked to be in the vocabulary (a chat
         template's rendered text already holds its special tokens, BOS included)."""
         if isinstance(prompt, (list, tuple)):  # not bytes, also a Sequence of ints
@@ -160,8 +161,8 @@ class Pipeline:
 
     @property
     def chat_template(self):
-        """The package's chat template (``edgespec.serve.chat.ChatTemplate``), compiled on
-        first use; a ChatTemplateError if the package has none."""
+        """The package's chat template (runtime/chat_template.py's ``ChatTemplate``), compiled
+        on first use; a ChatTemplateError if the package has none."""
         if self._chat_template is None:
             self._chat_template = load_chat_template(self.path, self.manifest)
         return self._chat_template
@@ -169,17 +170,17 @@ class Pipeline:
     def encode_chat(self, messages: Sequence[dict]) -> list[int]:
         """A conversation's token ids: rendered with the package's chat template, which ends
         where the assistant's answer starts and writes its own special tokens (BOS among them:
-        none is added here; runtime/chat.py)."""
+        none is added here: inputs.encode_text's rule for rendered text)."""
         return chat_prompt_ids(self.chat_template, self.bounded_text, messages)
 
     @property
     def bounded_text(self):
         """The package's tokenizer and chat template in a child process bounded in time and
-        memory (``edgespec.serve.text_process.BoundedText``), started on first use: both come
+        memory (runtime/bounded_text.py's ``BoundedText``), started on first use: both come
         with the package, so either may be hostile (a regex that backtracks for minutes, a
         template that loops or allocates gigabytes in C code)."""
         if self._bounded_text is None:
-            from edgespec.serve.text_process import LIBRARY_TIMEOUT_S, BoundedText
+            from edgespec.runtime.bounded_text import LIBRARY_TIMEOUT_S, BoundedText
 
             m = self.manifest
             source = name = None

@@ -3,7 +3,7 @@
 Any choice of k keeps the output exact, as long as it depends only on rounds already verified:
 each round is a complete speculative sampling step whatever its k. The choice only moves speed.
 
-- ``fixed``: always gamma.
+- ``fixed``: always draft_length.
 - ``heuristic``: transformers' assisted-generation schedule: +2 after a round that accepted
   every draft token, -1 otherwise (transformers' ``num_assistant_tokens_schedule="heuristic"``).
 - ``adaptive``: k maximising expected tokens per second, from costs measured at load and the

@@ -62,6 +62,15 @@ class ModelSession:
         self.max_positions = max_positions
         self.device = "cuda" if self.providers[0] != "CPUExecutionProvider" else "cpu"
         check_probe_run(path, self)  # a graph that cannot decode fails here, not at a request
+        unpack.release_unpacked(self.session, self._probe)  # onnxruntime holds copies
+
+    def _probe(self) -> list[np.ndarray]:
+        """The outputs of a one-token run on an empty cache."""
+        cache = self.new_cache(2)
+        features = (np.zeros((1, self.feature_size), np.float32) if self.reads_features
+                    else None)
+        logits, rows = self.forward_rows(np.array([0], np.int64), cache, features)
+        return [logits.copy()] + ([rows.copy()] if rows is not None else [])
 
     def _read_graph(self, spec: ModelSpec) -> None:
         inputs = {i.name: i for i in self.session.get_inputs()}

@@ -28,11 +28,17 @@ The rotary tables (cos and sin at every position, 4 of 16 MB for Gemma 3's two r
 
 A package comes from anyone: every offset, length, shape and type is checked against the data
 file before anything is read or allocated, and a recipe is at most a few levels deep.
+
+onnxruntime copies these tensors into memory of its own as the session loads (and MatMulNBits
+packs them again into its layout), so once loaded they are only memory: kept, they would add
+their size to the weights' (a 1.1 GB GGUF target took 2.8 GB). ``release_unpacked`` lets them
+go once a probe run shows that nothing reads them.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -53,17 +59,61 @@ _TABLE_BYTES = 1 << 28
 
 def inference_session(path: Path, options=None, providers=("CPUExecutionProvider",)):
     """An onnxruntime session of the graph at ``path``, given the tensors its folder's recipes
-    make (``read``); they stay referenced by the session for as long as it lives."""
+    make (``read``); they stay referenced by the session (``edgespec_unpacked``) for as long
+    as it lives, or until ``release_unpacked`` finds that onnxruntime no longer reads them."""
     import onnxruntime as ort
 
-    made = read(Path(path).parent)
+    folder = Path(path).parent
+    made = read(folder)
     options = options or ort.SessionOptions()
     if made:
         options.add_external_initializers(
             list(made), [ort.OrtValue.ortvalue_from_numpy(a) for a in made.values()])
     session = ort.InferenceSession(str(path), options, providers=list(providers))
-    session.edgespec_unpacked = made  # onnxruntime reads these buffers; they must outlive it
+    session.edgespec_unpacked = made  # onnxruntime may read these buffers: kept while it might
+    session.edgespec_folder = folder
     return session
+
+
+def release_unpacked(session, probe) -> int:
+    """Drop the made tensors of ``session`` (an ``inference_session``) once onnxruntime holds
+    copies of its own; returns the bytes let go.
+
+    Whether it copied them depends on its version and provider, so it is tested, not assumed:
+    ``probe()`` runs the graph and returns its outputs; the tensors are zeroed in place and it
+    runs again. Outputs equal bit for bit mean nothing reads them, so they are dropped;
+    otherwise they are made again in place and kept. Only for sessions on the CPU provider
+    alone: other providers may read weights later (TensorRT builds its engines at the first
+    run).
+    """
+    made = getattr(session, "edgespec_unpacked", None)
+    if not made or session.get_providers() != ["CPUExecutionProvider"] or \
+            not all(a.flags.writeable for a in made.values()):
+        return 0
+    before = probe()
+    for array in made.values():
+        array[...] = 0
+    after = probe()
+    if len(before) != len(after) or not all(np.array_equal(a, b) for a, b in zip(before, after)):
+        for name, array in read(session.edgespec_folder).items():
+            made[name][...] = array
+        return 0
+    freed = sum(a.nbytes for a in made.values())
+    made.clear()
+    _give_back_freed_memory()
+    return freed
+
+
+def _give_back_freed_memory() -> None:
+    """Ask glibc's allocator to return freed heap pages to the system (tensors of a few MB come
+    from its heap, whose free pages it otherwise keeps); a no-op elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def read(folder: Path) -> dict[str, np.ndarray]:
@@ -71,34 +121,69 @@ def read(folder: Path) -> dict[str, np.ndarray]:
     path = Path(folder) / UNPACK_NAME
     if not path.is_file():
         return {}
+    recipes = _recipes(path)
+    data_path = Path(folder) / DATA_NAME
+    if not data_path.is_file() or data_path.is_symlink():
+        raise ManifestError(f"{path} needs {data_path}, which is missing; re-export the pair")
+    out = {}
+    with open(data_path, "rb") as f:  # read part by part: a memory map's pages would count
+        data = _DataFile(f)  # as the process's memory until the last tensor made from it went
+        budget = {"made": _GROWTH * len(data), "rotary": _TABLE_BYTES}
+        for name, recipe in recipes.items():
+            try:
+                value = _make(recipe, data, 0)
+                kind = "rotary" if isinstance(recipe, dict) and recipe.get("op") == "rotary" \
+                    else "made"
+                budget[kind] -= value.nbytes
+                if budget[kind] < 0:
+                    raise ValueError("its recipes make far more bytes than its data file holds")
+            except (ValueError, TypeError, KeyError, IndexError, OSError) as e:
+                raise ManifestError(f"{path}: {name[:80]!r} cannot be made ({str(e)[:200]}); "
+                                    "re-export the pair") from None
+            out[str(name)] = value
+    return out
+
+
+def _recipes(path: Path) -> dict:
     try:
         recipes = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"cannot read {path} ({e}); re-export the pair") from None
     if not isinstance(recipes, dict):
         raise ManifestError(f"{path} must hold an object of recipes; re-export the pair")
-    data_path = Path(folder) / DATA_NAME
-    if not data_path.is_file() or data_path.is_symlink():
-        raise ManifestError(f"{path} needs {data_path}, which is missing; re-export the pair")
-    data = np.memmap(data_path, dtype=np.uint8, mode="r")
-    budget = {"made": _GROWTH * len(data), "rotary": _TABLE_BYTES}
-    out = {}
-    for name, recipe in recipes.items():
-        try:
-            value = _make(recipe, data, 0)
-            kind = "rotary" if isinstance(recipe, dict) and recipe.get("op") == "rotary" \
-                else "made"
-            budget[kind] -= value.nbytes
-            if budget[kind] < 0:
-                raise ValueError("its recipes make far more bytes than its data file holds")
-        except (ValueError, TypeError, KeyError, IndexError) as e:
-            raise ManifestError(f"{path}: {name[:80]!r} cannot be made ({str(e)[:200]}); "
-                                "re-export the pair") from None
-        out[str(name)] = value
-    return out
+    return recipes
 
 
-def _make(recipe: dict, data: np.ndarray, depth: int) -> np.ndarray:
+class _DataFile:
+    """A package's data file, read a part at a time into memory of its own."""
+
+    def __init__(self, f):
+        self.file, self.size = f, os.fstat(f.fileno()).st_size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def part(self, offset: int, length: int) -> np.ndarray:
+        out = np.empty(length, np.uint8)
+        self.file.seek(offset)
+        if self.file.readinto(memoryview(out)) != length:
+            raise ValueError(f"part [{offset}, +{length}) could not be read whole")
+        return out
+
+
+def _fields(width: int) -> np.ndarray:
+    """For each byte value, its 8 / width fields of ``width`` bits (low first) as the bytes of
+    one little-endian integer: indexing by the packed bytes then viewing as bytes unpacks them
+    in one pass."""
+    count = 8 // width
+    fields = (np.arange(256)[:, None] >> (width * np.arange(count))) & ((1 << width) - 1)
+    return (fields << (8 * np.arange(count))).sum(axis=1).astype(f"<u{count}")
+
+
+_FIELDS = {width: _fields(width) for width in (1, 2, 4)}
+
+
+def _make(recipe: dict, data: _DataFile, depth: int) -> np.ndarray:
     if depth > _DEPTH or not isinstance(recipe, dict):
         raise ValueError("a recipe must be an object, at most a few levels deep")
     op = recipe["op"]
@@ -111,16 +196,14 @@ def _make(recipe: dict, data: np.ndarray, depth: int) -> np.ndarray:
                 offset + length > len(data):
             raise ValueError(f"part [{offset}, +{length}) of {dtype.name} {shape} does not lie "
                              f"in the data file's {len(data)} bytes")
-        return np.asarray(data[offset:offset + length]).view(dtype).reshape(shape)
+        return data.part(offset, length).view(dtype).reshape(shape)
     if op == "bits":
         packed, width = make("of"), int(recipe["width"])
         shape = _shape(recipe["shape"], _GROWTH * len(data))
         if width not in (1, 2, 4) or packed.dtype != np.uint8 or \
                 packed.size * (8 // width) != np.prod(shape):
             raise ValueError(f"{packed.size} bytes of {width}-bit fields are not {shape}")
-        shifts = (width * np.arange(8 // width)).astype(np.uint8)
-        fields = (packed[..., None] >> shifts) & np.uint8((1 << width) - 1)
-        return fields.reshape(shape)
+        return _FIELDS[width][packed].view(np.uint8).reshape(shape)
     if op == "values":
         low, high = make("low"), make("high")
         if low.shape != high.shape or low.dtype != np.uint8 or high.dtype != np.uint8:

@@ -2,17 +2,17 @@
 
 Needs the serve extra (``pip install "edgespec[serve]"``: Starlette, uvicorn, pydantic,
 Jinja2, prometheus_client); the runtime does not import it. ``build_app`` is imported on first
-use, so that the tokenizing and template-rendering child (text_process.py) starts without
-the server's imports.
+use, so that the tokenizing and template-rendering child (runtime/bounded_text.py) starts
+without the server's imports.
 
-Trust model. Clients are untrusted: every input is bounded (middleware.py, server.py, app.py).
+Trust model. Clients are untrusted: every input is bounded (middleware.py, transport.py, app.py).
 A package is a folder someone gave you, and is trusted in part:
 
 - its chat template (Jinja) is data: compiled in a sandbox that caps what one expression may
-  build and evaluates nothing while compiling (chat.py), rendered in the child process under
-  an address-space limit (Linux) and a time limit, killed past either; a hostile template
-  costs one 400 and a restarted child (the library and the command line use the same child:
-  BoundedText);
+  build and evaluates nothing while compiling (runtime/chat_template.py), rendered in the
+  child process (runtime/bounded_text.py) under an address-space limit (Linux) and a time
+  limit, killed past either; a hostile template costs one 400 and a restarted child (the
+  library and the command line use the same child: BoundedText);
 - its tokenizer's encoding (normalizers and pre-tokenizers, where backtracking regexes live)
   runs in that child too, under the same limits: it cannot hang or bloat the server. Its
   decoder also runs in the server process (the text of generated ids, token healing), and

@@ -14,14 +14,15 @@ middleware.py.
 
 A request takes its place in the queue (worker.py) as soon as its body is read, before its
 prompt is tokenized or its template rendered, and both run in a child process
-(text_process.py) that is killed past a time limit; whatever waits for it gives up with a 503
-when the server starts to stop.
+(runtime/bounded_text.py, waited on by text_process.py) that is killed past a time limit;
+whatever waits for it gives up with a 503 when the server starts to stop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
@@ -33,13 +34,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from edgespec.config import NO_DRAFTER, resolve_sampling
+from edgespec.config import FORMER_SETTINGS, resolve_sampling
 from edgespec.errors import EdgespecError
 from edgespec.runtime.inputs import check_ids, text_bounds
 from edgespec.runtime.pipeline import Pipeline
+from edgespec.runtime.chat_template import ChatTemplate
 from edgespec.runtime.prefix_cache import PrefixCache
 from edgespec.serve import middleware, prompts
-from edgespec.serve.chat import ChatTemplate
 from edgespec.serve.config import ServeConfig
 from edgespec.serve.errors import HANDLERS, ApiError, parse, shown, shutting_down
 from edgespec.serve.metrics import Metrics, RequestMetrics
@@ -55,6 +56,7 @@ from edgespec.serve.text_process import TextProcess
 from edgespec.serve.worker import Busy, Closing, Job, Worker
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+log = logging.getLogger("edgespec.serve")
 
 
 @dataclass
@@ -314,12 +316,14 @@ def _start(server: Server, job: Job, body: Settings, prompt: str | list[int],
     if server.stopping.is_set():
         raise shutting_down()
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    for name in body.former_names():
+        log.warning("a request gave %s, deprecated: send %s", name, FORMER_SETTINGS[name])
     try:
         stream = server.pipe.stream(
             prompt, prompt_ids=prompt_ids, max_new_tokens=max_tokens,
-            **_sampling(server, body), draft_length=body.gamma, schedule=body.schedule,
-            drafter=body.drafter if body.use_draft else NO_DRAFTER, seed=body.seed, stop=stop,
-            ignore_eos=body.ignore_eos, token_healing=body.token_healing)
+            **_sampling(server, body), **body.drafting(), schedule=body.schedule,
+            seed=body.seed, stop=stop, ignore_eos=body.ignore_eos,
+            token_healing=body.token_healing)
     except EdgespecError as e:  # the schema checked each setting: what is left is the mix
         raise ApiError(400, str(e)) from None
     job.prompt_tokens = len(prompt_ids)

@@ -97,7 +97,7 @@ class RequestId:
 
 class HeadLimit:
     """431 for a request whose line and headers pass HEAD_BYTES. uvicorn's h11 refuses such a
-    head only while it is incomplete (server.py answers that 431); one that arrives whole in a
+    head only while it is incomplete (transport.py answers that 431); one that arrives whole in a
     single read gets here."""
 
     def __init__(self, app: ASGIApp):

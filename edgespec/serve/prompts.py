@@ -11,11 +11,10 @@ import logging
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
-from edgespec.errors import EdgespecError
+from edgespec.errors import ChatTemplateError, EdgespecError, TokenizerError
+from edgespec.runtime.bounded_text import TooManyTokens
 from edgespec.runtime.inputs import check_ids, check_text
-from edgespec.serve.chat import ChatTemplateError
 from edgespec.serve.errors import ApiError, shutting_down
-from edgespec.serve.text_process import TokenizerError, TooManyTokens
 
 if TYPE_CHECKING:
     from edgespec.serve.app import Server

@@ -11,9 +11,9 @@ The package is not shipped with the deployment: every node loads it from the sam
 must be readable there (a shared filesystem, or the same folder copied to each node), and
 edgespec installed in each node's Python.
 
-What guards where. Ray's proxy, not server.py's protocol, reads the HTTP; the checks inside
+What guards where. Ray's proxy, not transport.py's protocol, reads the HTTP; the checks inside
 the app still run in each replica (Host, CORS, API key, JSON only, body size and time, head
-size, the queue's 429, the generation's time limit, OpenAI's error shape). server.py's own
+size, the queue's 429, the generation's time limit, OpenAI's error shape). transport.py's
 protocol guards do not: the deadline on a request's headers, the disconnection of a client
 that stops reading, the refusal of a request framed twice, the probe of half-closed clients,
 and its JSON 503 past --limit-concurrency. In their place the proxy's uvicorn keeps idle

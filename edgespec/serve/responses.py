@@ -47,7 +47,7 @@ async def respond(request: Request, body: Settings, job: Job, reply: Reply) -> R
 
 async def cancel_on_disconnect(request: Request, job: Job) -> None:
     """Cancel the job if the client goes away while it waits for its answer (a client that
-    only closed its side of the connection once its request was sent still waits: server.py
+    only closed its side of the connection once its request was sent still waits: transport.py
     keeps such a connection open for the answer)."""
     while True:
         message = await request.receive()

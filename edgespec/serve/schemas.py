@@ -2,8 +2,10 @@
 by the schema, with the field's name, before anything else looks at it.
 
 Fields as OpenAI defines them (its API reference, "Completions" and "Chat"), then edgespec's
-own: top_k, gamma, schedule, drafter, use_draft, ignore_eos, token_healing (a text prompt
-of /v1/completions only; runtime/healing.py). Unknown fields are ignored, as OpenAI's
+own: top_k, min_p, repetition_penalty, draft_length, schedule, drafter, ignore_eos,
+token_healing (a text prompt of /v1/completions only; runtime/healing.py), named as
+GenerationConfig's fields; the former gamma and use_draft are still taken (deprecated:
+config.former_settings, the library's rule). Unknown fields are ignored, as OpenAI's
 clients send some that change nothing here; those that would change the output and that
 edgespec cannot honour (penalties, logprobs, several choices) are refused by ``unsupported``.
 """
@@ -14,7 +16,14 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from edgespec.config import DRAFTERS, MAX_GAMMA, SCHEDULES, GenerationConfig
+from edgespec.config import (
+    DRAFTERS,
+    FORMER_SETTINGS,
+    MAX_DRAFT_LENGTH,
+    SCHEDULES,
+    GenerationConfig,
+    former_settings,
+)
 
 _DEFAULTS = GenerationConfig()
 MAX_STOPS, STOP_CHARS = 4, 256  # stop sequences: how many, how long
@@ -34,8 +43,9 @@ class Settings(_Body):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    # omitted: the package's defaults (its generation_config.json), else OpenAI's (1 and 1);
-    # OpenAI's range; 0 is greedy
+    # omitted: the package's defaults (its generation_config.json), else greedy (temperature 0,
+    # top_p 1), as in the library and the CLI (config.resolve_sampling; app._sampling), not
+    # OpenAI's 1 and 1; OpenAI's range; 0 is greedy
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
@@ -56,10 +66,12 @@ class Settings(_Body):
     min_p: float | None = Field(None, ge=0, le=1)
     # transformers' and vLLM's (llama-server's repeat_penalty); omitted: the package's, else 1
     repetition_penalty: float | None = Field(None, gt=0, le=10)
-    gamma: int = Field(_DEFAULTS.gamma, ge=1, le=MAX_GAMMA)
+    draft_length: int = Field(_DEFAULTS.draft_length, ge=1, le=MAX_DRAFT_LENGTH)
     schedule: Literal[SCHEDULES] = _DEFAULTS.schedule  # type: ignore[valid-type]
-    use_draft: bool = True
-    drafter: Literal[DRAFTERS] = "auto"  # type: ignore[valid-type]
+    drafter: Literal[DRAFTERS] = _DEFAULTS.drafter  # type: ignore[valid-type]
+    # their former names (deprecated; the server logs a notice): draft_length, drafter "none"
+    gamma: int | None = Field(None, ge=1, le=MAX_DRAFT_LENGTH)
+    use_draft: bool | None = None
     ignore_eos: bool = False
     token_healing: bool = _DEFAULTS.token_healing
 
@@ -76,6 +88,16 @@ class Settings(_Body):
         if any(not s for s in stops):
             raise ValueError("a stop sequence must not be empty")
         return stop
+
+    def drafting(self) -> dict:
+        """draft_length and drafter as GenerationConfig takes them, a former name given
+        standing for its setting as in the library (config.former_settings)."""
+        return {"draft_length": self.draft_length, "drafter": self.drafter,
+                **former_settings(self.gamma, self.use_draft, warn=False)}
+
+    def former_names(self) -> list[str]:
+        """The deprecated fields this request gave."""
+        return [name for name in FORMER_SETTINGS if getattr(self, name) is not None]
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for the first setting edgespec cannot honour, or None."""

@@ -1,21 +1,8 @@
 """Listening: the socket bound before the models load, and uvicorn running the app on it.
 
 uvicorn drops idle keep-alive connections and bounds how large a request head may grow; what
-it lacks is added here, in a subclass of its HTTP protocol, each refusal in OpenAI's error
-shape:
-
-- a client has ``read_timeout_s`` to send a request's headers (an idle socket, or headers
-  dribbled a byte at a time, are answered 408 and closed), and as long to take in what it is
-  sent once the socket's buffers are full (a client that stops reading is disconnected, so
-  an answer it never reads is not held in memory); the app bounds the body's time (app.py);
-- a head past the size limit is answered 431 rather than 400;
-- a request with both Content-Length and Transfer-Encoding is refused (400) and its
-  connection closed (RFC 9112 6.3: a proxy in front may have framed it the other way);
-- a client that half-closes its side once its request is sent still gets its answer, then
-  the connection closes; one that closed the whole connection is told apart by the reset its
-  socket answers to an interim 100 Continue, and dropped (its generation cancelled);
-- past ``limit_concurrency`` connections or requests, uvicorn's plain-text 503 becomes a JSON
-  503 with Retry-After.
+it lacks (deadlines for a request's head and a stalled write, unambiguous framing, half-closed
+clients, JSON refusals) is transport.py's protocol.
 
 Stopping (SIGTERM, Ctrl-C) cancels the generations first, so that each answer under way ends
 with a 503 ``shutting_down`` (a stream: an error event and ``[DONE]``), then lets uvicorn
@@ -25,23 +12,20 @@ cannot be interrupted) does not hold the process: it exits all the same.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import sys
 import threading
 from collections.abc import Callable
-from http import HTTPStatus
 
-import h11
 import uvicorn
 from starlette.applications import Starlette
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from edgespec.errors import EdgespecError
 from edgespec.serve.config import ServeConfig
-from edgespec.serve.middleware import HEAD_BYTES, RETRY_AFTER_S, error_body
+from edgespec.serve.middleware import HEAD_BYTES
+from edgespec.serve.transport import protocol
 
 EXIT_S = 4.5  # after the first signal, the process exits by then whatever still runs
 log = logging.getLogger("edgespec.serve")
@@ -79,7 +63,7 @@ def run(app: Starlette, sock: socket.socket, config: ServeConfig,
     connections. uvicorn raises the signal again once it has stopped, so the caller's own
     handlers still set the exit code."""
     uvicorn_config = uvicorn.Config(
-        app, log_level="info", lifespan="on", http=_protocol(config.read_timeout_s),
+        app, log_level="info", lifespan="on", http=protocol(config.read_timeout_s),
         timeout_graceful_shutdown=config.shutdown_s, timeout_keep_alive=config.keep_alive_s,
         limit_concurrency=config.limit_concurrency, h11_max_incomplete_event_size=HEAD_BYTES)
     _Server(uvicorn_config, app.state.server.stop, listening).run(sockets=[sock])
@@ -123,177 +107,3 @@ def _exit_after(seconds: float, sig: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(128 + sig)
-
-
-PROBE_S = 0.5  # how often a half-closed connection is checked for a client that left
-AMBIGUOUS_FRAMING = ("a request may not carry both Content-Length and Transfer-Encoding "
-                     "(RFC 9112 6.3)")
-
-
-def _protocol(read_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with deadlines for each request's head and each stalled write,
-    unambiguous framing, half-closed clients answered, and JSON refusals."""
-
-    class Protocol(H11Protocol):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._head_timer = self._write_timer = self._probe_timer = None
-            self._refusal = 400
-            next_event = self.conn.next_event
-
-            def next_event_checked():
-                try:
-                    event = next_event()
-                except h11.RemoteProtocolError as e:  # h11 knows 431 from 400; uvicorn forgets
-                    self._refusal = e.error_status_hint
-                    raise
-                if isinstance(event, h11.Request) and _framed_twice(event.headers):
-                    self._refusal = AMBIGUOUS_FRAMING
-                    raise h11.RemoteProtocolError(AMBIGUOUS_FRAMING)
-                return event
-
-            self.conn.next_event = next_event_checked
-            # uvicorn's own connection limit answers plain text: checked here instead
-            self._limit, self.limit_concurrency = self.limit_concurrency, None
-            self.app = self._limited(self.app)
-
-        def _limited(self, app):
-            async def limited(scope, receive, send):
-                # this request's own task is among self.tasks already, unlike in uvicorn's check
-                if self._limit is not None and (len(self.connections) >= self._limit
-                                                or len(self.tasks) > self._limit):
-                    log.warning("past --limit-concurrency (%d): answered 503", self._limit)
-                    return await _too_many(self._limit, send)
-                return await app(scope, receive, send)
-
-            return limited
-
-        def eof_received(self):
-            """The client closed its side. If its HTTP/1.1 request is all here and its
-            answer not begun, answer it, then close (True keeps the transport open for
-            writing); otherwise close now, as uvicorn does (a stream's client has left)."""
-            cycle = self.cycle
-            if (cycle is None or cycle.response_started or self.conn.their_state is not h11.DONE
-                    or self.conn.their_http_version != b"1.1"):
-                return None
-            cycle.keep_alive = False
-            self._probe(cycle)
-            return True
-
-        def _probe(self, cycle) -> None:
-            """Tell a client that only half-closed from one that left: write an interim
-            ``100 Continue`` (HTTP/1.1 clients skip 1xx answers), to which a closed socket
-            answers with a reset, and look for that reset every PROBE_S until the answer
-            starts; a client that left is then dropped (its generation is cancelled)."""
-            self.transport.write(self.conn.send(h11.InformationalResponse(
-                status_code=100, headers=[], reason=b"Continue")))
-            cycle.waiting_for_100_continue = False
-            self._probe_timer = self.loop.call_later(PROBE_S, self._reset_seen, cycle)
-
-        def _reset_seen(self, cycle) -> None:
-            self._probe_timer = None
-            if cycle.response_started or self.transport.is_closing():
-                return
-            if _was_reset(self.transport):
-                self.transport.abort()
-            else:
-                self._probe_timer = self.loop.call_later(PROBE_S, self._reset_seen, cycle)
-
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            if self._write_timer is None:
-                self._write_timer = self.loop.call_later(read_timeout_s, self._write_too_slow)
-
-        def resume_writing(self) -> None:
-            super().resume_writing()
-            if self._write_timer is not None:
-                self._write_timer.cancel()
-                self._write_timer = None
-
-        def _write_too_slow(self) -> None:
-            """The client has read nothing for read_timeout_s with the buffers full: drop it
-            (its request sees a disconnect, and a generation for it is cancelled)."""
-            self._write_timer = None
-            log.warning("a client read nothing for %g s; disconnecting it", read_timeout_s)
-            self.transport.abort()
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._await_head()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self._await_head()  # part of a head: the clock runs from its first byte
-            else:
-                self._head_arrived()
-
-        def connection_lost(self, exc) -> None:
-            self._head_arrived()
-            for timer in (self._write_timer, self._probe_timer):
-                if timer is not None:
-                    timer.cancel()
-            self._write_timer = self._probe_timer = None
-            super().connection_lost(exc)
-
-        def _await_head(self) -> None:
-            if self._head_timer is None:
-                self._head_timer = self.loop.call_later(read_timeout_s, self._head_too_slow)
-
-        def _head_arrived(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _head_too_slow(self) -> None:
-            self._head_timer = None
-            if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
-                return
-            if self.cycle is not None and not self.cycle.response_complete:
-                return  # a request is being answered; pipelined bytes wait for it
-            self._refuse(408, f"the request's headers did not arrive within "
-                              f"{read_timeout_s:g} s", "request_timeout")
-
-        def send_400_response(self, msg: str) -> None:
-            if self._refusal == 431:
-                self._refuse(431, f"the request line and headers are larger than {HEAD_BYTES} "
-                                  "bytes", "request_header_fields_too_large")
-            elif self._refusal == AMBIGUOUS_FRAMING:
-                self._refuse(400, AMBIGUOUS_FRAMING, "invalid_http")
-            else:
-                self._refuse(400, "the request is not valid HTTP/1.1", "invalid_http")
-
-        def _refuse(self, status: int, message: str, code: str) -> None:
-            """Answer ``status`` in OpenAI's error shape outside any request, and close."""
-            body = json.dumps(error_body(message, code=code)).encode()
-            head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
-                    "content-type: application/json\r\n"
-                    f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
-            self.transport.write(head.encode() + body)
-            self.transport.close()
-
-    return Protocol
-
-
-def _was_reset(transport) -> bool:
-    """Whether the peer reset the connection (it had left, and got bytes). Its socket's
-    pending error says so (a read would not: after the client's FIN it only reads the end)."""
-    sock = transport.get_extra_info("socket")
-    return sock is not None and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
-
-
-def _framed_twice(headers) -> bool:
-    names = {name.lower() for name, _ in headers}
-    return b"content-length" in names and b"transfer-encoding" in names
-
-
-async def _too_many(limit: int, send) -> None:
-    """The JSON 503 for a connection or request past the limit, asking for a retry."""
-    body = json.dumps(error_body(
-        f"the server holds {limit} connections or requests at most (its --limit-concurrency); "
-        "retry later", "server_error", code="too_many_connections")).encode()
-    await send({"type": "http.response.start", "status": 503, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"retry-after", str(RETRY_AFTER_S).encode()), (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
-

@@ -16,7 +16,11 @@ the running interpreter, so the recipe needs no download:
 6. save both as float16 Hugging Face checkpoints next to a training report, and export the pair
    into an edgespec package (build.py).
 
-config.py holds RecipeConfig, every setting the steps read.
+config.py holds RecipeConfig, every setting the steps read. The package is also the home of
+all of edgespec's training, for any model family: the teacher data (teacher.py), the losses
+(losses.py), the one training loop (loop.py) and the one acceptance estimate (evaluate.py),
+which the SmolLM2 draft (smollm2_draft.py) and EAGLE-3 heads (eagle3_head.py, edgespec
+distill) use too.
 As everywhere in edgespec, p is the target's distribution and q the draft's.
 Each training phase stops on a wall-clock budget: two runs with the same seed draw the same
 batches in the same order, but not necessarily the same number of them.

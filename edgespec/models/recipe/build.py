@@ -143,8 +143,8 @@ def build_demo_package(out: Path, config: RecipeConfig, progress: Progress | Non
 
 
 # How the demo pair is exported: the draft in int8 computing with int8 activations, which kept
-# fp32's acceptance at a cheaper step where int4 lost some (benchmarks/RESULTS.md, "Draft
-# precision").
+# fp32's acceptance at a cheaper step where int4 lost some (benchmarks/RESULTS-archive.md,
+# "Draft precision side by side").
 DEMO_EXPORT = {"draft_quantize": "int8"}
 
 

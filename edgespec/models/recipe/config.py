@@ -48,7 +48,7 @@ class RecipeConfig:
     (Hoffmann et al., 2022), so it stays small; its size is also bounded by the repository
     budget: fp16 checkpoint plus fp16-stored ONNX graph of both models under 100 MB.
     Draft: 3 layers x 256, 3.4M parameters, distilled from the target's top-64
-    log-probabilities on the corpus and on the target's own continuations (distill.py). What
+    log-probabilities on the corpus and on the target's own continuations (teacher.py). What
     the choices gave is in benchmarks/RESULTS.md ("The demo's new draft"). The budgets are
     wall-clock: on a busy machine the models see fewer tokens, so quality drops, not time.
     """
@@ -64,7 +64,7 @@ class RecipeConfig:
     warmup_fraction: float = 0.05
     weight_decay: float = 0.1
     hard_loss_weight: float = 0.0  # draft loss = (1 - w) KL(p || q) + w cross-entropy
-    distill_top_k: int = 64  # the target's likeliest tokens kept per position (distill.py)
+    distill_top_k: int = 64  # the target's likeliest tokens kept per position (teacher.py)
     distill_generated_tokens: int = 600_000  # the target's own continuations to distil on
     target_minutes: float = 72.0
     draft_minutes: float = 40.0
@@ -105,3 +105,37 @@ class RecipeConfig:
             0 < self.heldout_fraction < 1,
             f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}",
         )
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """What ``edgespec distill`` trains an EAGLE-3 head with (eagle3_distill.py), besides the
+    target and the head's folder; the command's options take their defaults from here."""
+
+    data: str = "chat"  # what the target writes to learn from: "chat" replies or "code"
+    minutes: float = 20.0  # the training budget (the target's texts and features come first)
+    max_steps: int | None = None  # optimizer steps, if they should end training sooner
+    draft_vocab: int = 8192  # tokens the head scores: the most frequent in the target's texts
+    steps: int = 3  # training-time-test steps: how many chained drafts the loss covers
+    prompts: tuple[int, int, int] = (300, 72, 96)  # chat: questions, functions, edits
+    tokens: int = 150_000  # code: tokens of continuations
+    new_tokens: int = 128  # the longest reply or continuation the target writes
+    top_k: int = 32  # the target's likeliest tokens kept per position (teacher.py)
+    lr: float = 1e-3
+    seed: int = 0
+    aux_layers: tuple[int, int, int] | None = None  # None: export/aux_layers.py's rule
+
+    def __post_init__(self) -> None:
+        _require(self.data in ("chat", "code"), f"data must be chat or code, got {self.data!r}")
+        _require(self.minutes > 0, f"minutes must be > 0, got {self.minutes}")
+        _require(self.max_steps is None or self.max_steps >= 1,
+                 f"max_steps must be >= 1, got {self.max_steps}")
+        _require(self.draft_vocab >= 1, f"draft_vocab must be >= 1, got {self.draft_vocab}")
+        _require(1 <= self.steps <= 8, f"steps must be in 1..8, got {self.steps}")
+        _require(len(self.prompts) == 3 and min(self.prompts) >= 1,
+                 f"prompts must be three counts >= 1, got {self.prompts}")
+        _require(self.tokens >= 1000, f"tokens must be >= 1000, got {self.tokens}")
+        for name in ("new_tokens", "top_k"):
+            _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        _require(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        _require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")

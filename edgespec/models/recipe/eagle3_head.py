@@ -18,7 +18,7 @@ that a run stopped part way resumes where it stopped (HEAD_DIR/work/):
    the target's features, step s the head's own hidden_out of the row before at step s - 1,
    attending to the true rows up to where its chain began and to its own chain rows, exactly
    the rows Eagle3Drafter's cache holds when it drafts token s + 1 of a round. The loss is the
-   sparse KL to the target's top K (distill.sparse_kl), weighted 0.8^s over the steps (EAGLE-3's
+   sparse KL to the target's top K (losses.sparse_kl), weighted 0.8^s over the steps (EAGLE-3's
    weights). The head scores the ``draft_vocab`` tokens most frequent in the continuations
    (EAGLE-3's draft vocabulary: d2t/t2d); its lm_head starts from the target's rows of those
    tokens and its final norm from the target's; the embedding is the target's, frozen.
@@ -42,7 +42,10 @@ from safetensors.torch import save as safetensors_bytes
 from edgespec.export.destination import write_file
 from edgespec.export.aux_layers import check_aux_layers, default_aux_layers
 from edgespec.export.eagle3 import ARCHITECTURES, D2T, T2D, Eagle3Head, HeadConfig, _rotate
-from edgespec.models.recipe.distill import sparse_kl, warmup_cosine
+from edgespec.models.recipe.evaluate import HeldOut, held_out
+from edgespec.models.recipe.loop import (Budget, LoopState, shuffled_batches, train_loop,
+                                         warmup_cosine)
+from edgespec.models.recipe.losses import TopKRows, subset_index
 
 Progress = Callable[[str], None]
 STEP_WEIGHT = 0.8  # EAGLE-3's weight of step s's loss: 0.8 ** s
@@ -207,24 +210,17 @@ def feature_stage(target, examples: list[Example], aux_layers: tuple[int, int, i
                    f"{(now - start) / 60:.1f} min")
 
 
-def _batches(examples: list[Example], size: int, rng: random.Random):
-    order = list(range(len(examples)))
-    rng.shuffle(order)
-    for first in range(0, len(order), size):
-        yield [examples[i] for i in order[first:first + size]]
-
-
-def _step_losses(head: TrainableHead, chunk: list[Example], remap: torch.Tensor, steps: int,
-                 measure: bool = False):
-    """Each step's sparse KL over the rows that have a target distribution and a chain (and
-    with ``measure``, each step's summed sum_x min(p, q) and its row count)."""
+def _step_rows(head: TrainableHead, chunk: list[Example], index: torch.Tensor, steps: int
+               ) -> list[TopKRows | None]:
+    """Each step's rows that have a target distribution and a chain, scored by the head
+    (None for a step no text of the chunk is long enough for)."""
     width = max(len(e.ids) for e in chunk)
     ids = torch.zeros((len(chunk), width), dtype=torch.long)
     aux = torch.zeros((len(chunk), width, chunk[0].features.shape[-1]))
     for b, e in enumerate(chunk):
         ids[b, : len(e.ids)], aux[b, : len(e.ids)] = e.ids, e.features.float()
     outputs = head.unroll(ids, aux, steps)
-    losses, measured = [], []
+    scored: list[TopKRows | None] = []
     for step, hidden in enumerate(outputs):
         rows, top_ids, top_logp = [], [], []
         for b, e in enumerate(chunk):
@@ -237,36 +233,20 @@ def _step_losses(head: TrainableHead, chunk: list[Example], remap: torch.Tensor,
             j = torch.arange(first, last) + 2 - e.start
             top_ids.append(e.top_ids[j].long())
             top_logp.append(e.top_logp[j].float())
-        if not rows:  # texts too short for a chain this long
-            losses.append(hidden.sum() * 0)
-            measured.append((0.0, 0))
-            continue
-        logits = head.lm_head(torch.cat(rows))
-        sub = remap[torch.cat(top_ids)]
-        keep = sub >= 0
-        top_logp = torch.cat(top_logp)
-        losses.append(sparse_kl(logits, sub.clamp_min(0), top_logp, keep))
-        if measure:
-            q = torch.softmax(logits.float(), -1).gather(-1, sub.clamp_min(0)) * keep
-            alpha = torch.minimum(top_logp.exp(), q).sum(-1)
-            measured.append((float(alpha.sum()), len(alpha)))
-    return (losses, measured) if measure else losses
+        scored.append(TopKRows.of(head.lm_head(torch.cat(rows)), torch.cat(top_ids),
+                                  torch.cat(top_logp), index) if rows else None)
+    return scored
 
 
-def evaluate(head: TrainableHead, remap: torch.Tensor, examples: list[Example], steps: int
-             ) -> list[float]:
-    """Each step's mean sum_x min(p, q) on ``examples``: the expected acceptance at T = 1 of
-    the step's token given the ones before it were accepted (Leviathan et al. 2023)."""
-    totals = [[0.0, 0] for _ in range(steps)]
+def evaluate(head: TrainableHead, index: torch.Tensor, examples: list[Example], steps: int
+             ) -> HeldOut:
+    """Each step's held-out scores (evaluate.held_out): its acceptance is that of the step's
+    token given that the ones before it were accepted."""
     head.eval()
-    with torch.inference_mode():
-        for chunk in _batches(examples, 8, random.Random(0)):
-            _, measured = _step_losses(head, chunk, remap, steps, measure=True)
-            for total, (alpha, n) in zip(totals, measured):
-                total[0] += alpha
-                total[1] += n
+    batches = (examples[i:i + 8] for i in range(0, len(examples), 8))
+    scores = held_out(lambda chunk: _step_rows(head, chunk, index, steps), batches)
     head.train()
-    return [a / max(n, 1) for a, n in totals]
+    return scores
 
 
 @dataclass(frozen=True)
@@ -282,67 +262,55 @@ class TrainSettings:
 def train_head(head: TrainableHead, token_ids: np.ndarray, examples: list[Example],
                held: list[Example], settings: TrainSettings, state_path: Path,
                report: Progress) -> dict:
-    """AdamW on everything but the embedding, 5% warmup then cosine over the wall-clock budget;
+    """AdamW on everything but the embedding, warmup then cosine over the budget (loop.py);
     checkpoints (head, optimizer, time spent) to ``state_path`` a minute, resumed from it."""
-    remap = torch.full((head.config.vocab,), -1, dtype=torch.long)
-    remap[torch.from_numpy(np.asarray(token_ids, dtype=np.int64))] = torch.arange(len(token_ids))
+    index = subset_index(token_ids, head.config.vocab)
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.01)
-    spent, step, before = 0.0, 0, None
+    resume, before = LoopState(), None
     if state_path.is_file():
         saved = torch.load(state_path)
         head.load_state_dict(saved["head"])
         optimizer.load_state_dict(saved["optimizer"])
-        spent, step, before = saved["seconds"], saved["step"], saved["before"]
-        report(f"train: resuming at step {step}, {spent / 60:.1f} of {settings.minutes} min")
+        resume, before = LoopState(saved["step"], saved["seconds"]), saved["before"]
+        report(f"train: resuming at step {resume.step}, {resume.seconds / 60:.1f} of "
+               f"{settings.minutes} min")
     if before is None:
-        before = evaluate(head, remap, held, settings.steps)
+        before = evaluate(head, index, held, settings.steps).acceptance
         report(f"train: before: held-out sum min(p,q) by step {_fmt(before)}")
 
-    def save() -> None:
-        state = {"head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                 "seconds": spent, "step": step, "before": before}
-        write_file(state_path, lambda f: torch.save(state, f))
+    def save(state: LoopState) -> None:
+        saved = {"head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                 "seconds": state.seconds, "step": state.step, "before": before}
+        write_file(state_path, lambda f: torch.save(saved, f))
 
-    budget = settings.minutes * 60
-    rng = random.Random(settings.seed + step)
     weights = [STEP_WEIGHT ** s for s in range(settings.steps)]
+
+    def loss_fn(chunk: list[Example]) -> torch.Tensor:
+        rows = _step_rows(head, chunk, index, settings.steps)
+        zero = head.lm_head.weight.sum() * 0  # a step without rows: no loss, the graph kept
+        return sum(w * (r.kl() if r is not None else zero)
+                   for w, r in zip(weights, rows)) / sum(weights)
+
+    def tick(state: LoopState) -> None:
+        recent = state.losses[-10:]
+        report(f"train: step {state.step}, loss {sum(recent) / len(recent):.3f}, "
+               f"{state.seconds / 60:.1f}/{settings.minutes} min")
+        save(state)
+
+    budget = Budget(settings.minutes, settings.max_steps)
+    batches = shuffled_batches(examples, settings.batch, random.Random(settings.seed + resume.step))
     head.train()
-    begun, last = time.perf_counter() - spent, time.perf_counter()
-    limit = settings.max_steps or math.inf
-
-    def progress() -> float:  # the schedule's clock: time, or steps when they are the limit
-        return step / limit if settings.max_steps else spent / budget
-
-    while spent < budget and step < limit:
-        for chunk in _batches(examples, settings.batch, rng):
-            spent = time.perf_counter() - begun
-            if spent >= budget or step >= limit:
-                break
-            fraction = progress()
-            for group in optimizer.param_groups:
-                group["lr"] = warmup_cosine(settings.lr, fraction)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                losses = _step_losses(head, chunk, remap, settings.steps)
-            loss = sum(w * s for w, s in zip(weights, losses)) / sum(weights)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            optimizer.step()
-            step += 1
-            if time.perf_counter() - last > 60:
-                last = time.perf_counter()
-                report(f"train: step {step}, loss by step "
-                       f"{_fmt([float(x) for x in losses])}, {spent / 60:.1f}/{settings.minutes} min")
-                save()
-    spent = min(spent, budget)
-    save()
-    after = evaluate(head, remap, held, settings.steps)
-    report(f"train: after {step} steps: held-out sum min(p,q) by step {_fmt(after)}")
-    return {"steps": step, "minutes": round(spent / 60, 2), "heldout_min_pq_before": before,
-            "heldout_min_pq_after": after, "train_texts": len(examples),
-            "heldout_texts": len(held), "lr": settings.lr, "batch": settings.batch,
-            "ttt_steps": settings.steps}
+    state = train_loop(loss_fn, batches, optimizer, lambda f: warmup_cosine(settings.lr, f),
+                       budget, max_grad_norm=0.5, on_tick=tick, resume=resume)
+    state.seconds = min(state.seconds, budget.minutes * 60)
+    save(state)
+    after = evaluate(head, index, held, settings.steps).acceptance
+    report(f"train: after {state.step} steps: held-out sum min(p,q) by step {_fmt(after)}")
+    return {"steps": state.step, "minutes": round(state.seconds / 60, 2),
+            "heldout_min_pq_before": before, "heldout_min_pq_after": after,
+            "train_texts": len(examples), "heldout_texts": len(held), "lr": settings.lr,
+            "batch": settings.batch, "ttt_steps": settings.steps}
 
 
 def _fmt(values: list[float]) -> str:

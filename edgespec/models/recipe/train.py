@@ -1,18 +1,19 @@
-"""Training on a wall-clock budget: the target on next-token loss, the draft distilled from it."""
+"""The demo pair's training on a wall-clock budget: the target on next-token loss, the draft
+distilled from it (both through loop.train_loop)."""
 
-import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from itertools import repeat
 
 import torch
-import torch.nn.functional as F
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from edgespec.models.recipe.config import RecipeConfig
-from edgespec.runtime.machine import usable_cores
-from edgespec.models.recipe.distill import sparse_kl, target_continuations, teacher_targets
+from edgespec.models.recipe.loop import Budget, LoopState, train_loop, warmup_then_cosine
+from edgespec.models.recipe.losses import next_token_loss, sparse_kl
 from edgespec.models.recipe.model import new_model
+from edgespec.models.recipe.teacher import target_continuations, teacher_targets
+from edgespec.runtime.machine import usable_cores
 
 Progress = Callable[[str], None]
 
@@ -43,7 +44,7 @@ def train_target(
     target = new_model(config.target, tokenizer, config)
 
     def loss_fn(windows: torch.Tensor) -> torch.Tensor:
-        return _next_token_loss(target(windows[:, :-1]).logits, windows)
+        return next_token_loss(target(windows[:, :-1]).logits, windows)
 
     def sample(generator: torch.Generator) -> torch.Tensor:
         return _random_windows(train_ids, config.batch_size, config.context_length, generator)
@@ -59,11 +60,11 @@ def distill_draft(
     config: RecipeConfig,
     progress: Progress | None = None,
 ) -> tuple[LlamaForCausalLM, PhaseStats]:
-    """Distil a draft from the target for ``config.draft_minutes`` (distill.py).
+    """Distil a draft from the target for ``config.draft_minutes`` (losses.py).
 
     The target runs once over the training stream and its top ``distill_top_k`` log-
     probabilities are kept, and it writes ``distill_generated_tokens`` of continuations of its
-    own (distill.py; neither counted in the budget); the draft then trains on both, a batch
+    own (teacher.py; neither counted in the budget); the draft then trains on both, a batch
     from each in turn at random, minimising (1 - w) * KL(p || q) + w * next-token cross-entropy of q,
     w = hard_loss_weight, with p the target's distribution at temperature 1 (Hinton et al.,
     2015, "Distilling the Knowledge in a Neural Network"). Minimising KL(p || q) raises
@@ -86,7 +87,7 @@ def distill_draft(
         soft = sparse_kl(q_logits, targets.top_ids[index], targets.top_logp[index])
         if not config.hard_loss_weight:
             return soft
-        hard = _next_token_loss(q_logits, windows)
+        hard = next_token_loss(q_logits, windows)
         return (1 - config.hard_loss_weight) * soft + config.hard_loss_weight * hard
 
     def sample(generator: torch.Generator) -> tuple[int, torch.Tensor]:
@@ -96,11 +97,6 @@ def distill_draft(
 
     stats = _train(draft, loss_fn, sample, config, phase="draft", progress=progress)
     return draft, replace(stats, setup_seconds=sum(t.seconds for t in sets))
-
-
-def _next_token_loss(logits: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of logits [B, T, V] against the next tokens windows[:, 1:] [B, T]."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten())
 
 
 def _train(
@@ -115,39 +111,40 @@ def _train(
     """Minimise loss_fn on batches from ``sample`` until the phase's time budget is spent
     (``phase`` "target" or "draft": the config's ``<phase>_lr`` and ``<phase>_minutes``).
 
-    AdamW with linear warmup then cosine decay to zero, both measured in fractions of the budget;
-    bf16 autocast (faster than float32 on CPU). Reports every tenth of the budget
-    and leaves the model in eval mode.
+    AdamW with linear warmup then cosine decay to zero, both measured in fractions of the
+    budget (loop.py). Reports every tenth of the budget and leaves the model in eval mode.
     """
     report = progress or _ignore
     peak_lr, minutes = getattr(config, f"{phase}_lr"), getattr(config, f"{phase}_minutes")
     torch.set_num_threads(config.threads or usable_cores())
-    params = _param_groups(model, config.weight_decay)
-    optimizer = torch.optim.AdamW(params, lr=peak_lr, betas=_ADAM_BETAS)
+    optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=peak_lr,
+                                  betas=_ADAM_BETAS)
     generator = torch.Generator().manual_seed(config.seed)
     tokens_per_step = config.batch_size * config.context_length
     budget = minutes * 60
     report(f"{phase}: training {model.num_parameters():,} parameters for {minutes:g} min")
+    reported = LoopState()  # the state at the last report
+
+    def tick(state: LoopState) -> None:
+        rate = (state.step - reported.step) * tokens_per_step / (state.seconds - reported.seconds)
+        report(
+            f"{phase}: step {state.step}, loss {_mean(state.losses[reported.step:]):.3f}, "
+            f"{rate:,.0f} tokens/s, {state.seconds / 60:.1f}/{minutes:g} min"
+        )
+        reported.step, reported.seconds = state.step, state.seconds
+
     model.train()
-    losses: list[float] = []
-    reported = 0
-    start = last_report = time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < budget:
-        lr = _learning_rate(elapsed / budget, peak_lr, config.warmup_fraction)
-        losses.append(_step(model, optimizer, loss_fn, sample(generator), lr))
-        if (now := time.perf_counter()) - last_report >= budget / _REPORTS_PER_PHASE:
-            rate = (len(losses) - reported) * tokens_per_step / (now - last_report)
-            report(
-                f"{phase}: step {len(losses)}, loss {_mean(losses[reported:]):.3f}, "
-                f"{rate:,.0f} tokens/s, {(now - start) / 60:.1f}/{minutes:g} min"
-            )
-            reported, last_report = len(losses), now
+    batches = map(sample, repeat(generator))
+    state = train_loop(loss_fn, batches, optimizer,
+                       warmup_then_cosine(peak_lr, config.warmup_fraction), Budget(minutes),
+                       max_grad_norm=_MAX_GRAD_NORM, every_s=budget / _REPORTS_PER_PHASE,
+                       on_tick=tick)
     model.eval()
     stats = PhaseStats(
-        steps=len(losses),
-        tokens=len(losses) * tokens_per_step,
-        seconds=time.perf_counter() - start,
-        train_loss=_mean(losses[-max(1, len(losses) // 10) :]),
+        steps=state.step,
+        tokens=state.step * tokens_per_step,
+        seconds=state.seconds,
+        train_loss=_mean(state.losses[-max(1, state.step // 10) :]),
     )
     report(
         f"{phase}: done, {stats.steps} steps, {stats.tokens:,} tokens "
@@ -173,36 +170,9 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def _learning_rate(fraction: float, peak: float, warmup: float) -> float:
-    """Linear warmup over the first `warmup` of the budget, then cosine decay to 0 at its end."""
-    if fraction < warmup:
-        return peak * fraction / warmup
-    decay = (fraction - warmup) / (1 - warmup)
-    return peak * 0.5 * (1 + math.cos(math.pi * min(decay, 1.0)))
-
-
 def _random_windows(
     stream: torch.Tensor, batch_size: int, context_length: int, generator: torch.Generator
 ) -> torch.Tensor:
     """Windows [B, T+1] of consecutive tokens starting at uniformly random offsets."""
     starts = torch.randint(0, len(stream) - context_length, (batch_size, 1), generator=generator)
     return stream[starts + torch.arange(context_length + 1)]
-
-
-def _step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: Callable[[torch.Tensor], torch.Tensor],
-    batch: torch.Tensor,
-    lr: float,
-) -> float:
-    """One optimiser step at learning rate lr; returns the loss."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = loss_fn(batch)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), _MAX_GRAD_NORM)
-    optimizer.step()
-    return loss.item()

@@ -11,7 +11,7 @@ A template comes with the package, so it may be hostile: the sandbox here also c
 operation can build (``range``, ``*``, ``**``, ``%`` and ``+`` on strings and lists,
 ``strftime_now``) and the size of the output, and every fault is a ChatTemplateError naming the
 template. What no sandbox can bound from inside (time, and memory spent in C code such as a
-filter's width) is bounded by rendering in a child process (text_process.py).
+filter's width) is bounded by rendering in a child process (bounded_text.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from edgespec.config import is_int
-from edgespec.errors import EdgespecError, shown
+from edgespec.errors import ChatTemplateError, shown
 from edgespec.manifest import Manifest
 
 RANGE_ITEMS = 10_000  # a template loops over messages, not millions of numbers
@@ -39,16 +39,12 @@ STRFTIME_CHARS = 256
 _PERCENT_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
 
 
-class ChatTemplateError(EdgespecError):
-    """The package has no chat template, or its template refused or failed the conversation."""
-
-
 class _UnfoldedCodeGenerator(CodeGenerator):
     """Jinja's compiler, folding no expression but plain text into constants: Jinja's
     optimizer and its output step evaluate a constant expression while compiling, so
     ``{{ 'x'|center(1500000000) }}`` would cost its gigabytes in whichever process compiles
     the template (the server at start-up, ``edgespec chat``). Unfolded, it runs when rendered,
-    in the rendering process, under its bounds (text_process.py)."""
+    in the rendering process, under its bounds (bounded_text.py)."""
 
     def _output_child_to_const(self, node, frame, finalize):
         if not isinstance(node, nodes.TemplateData):
@@ -171,7 +167,7 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"the chat template {self.name} refused the messages: "
                 f"{_said(e)}") from None
-        except MemoryError:  # past the rendering process's limit (text_process.py)
+        except MemoryError:  # past the rendering process's limit (bounded_text.py)
             raise ChatTemplateError(f"the chat template {self.name} ran out of memory "
                                     "rendering the conversation") from None
         except Exception as e:  # RecursionError, OverflowError, a filter's fault
