@@ -270,12 +270,13 @@ GEMMA_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<start_of_turn>"
 
 def write_gemma3_gguf(path: Path, types: dict[str, str], seed: int = 0, hidden: int = 256,
                       window: int = 8, layers: int = 6, template: str | None = None,
-                      scores: bool = True) -> tuple[Path, object]:
+                      scores: bool = True, extra: dict | None = None) -> tuple[Path, object]:
     """A GGUF file of a tiny random Gemma 3 as llama.cpp's convert_hf_to_gguf.py writes one
     (norm weights + 1, no q/k permutation, a SentencePiece vocabulary with scores; no
     sliding-window pattern: llama.cpp's is every sixth layer global), and the model it holds
     (the config llama.cpp reads: query_pre_attn_scalar head_dim, local rope base 10,000).
-    ``template``: a chat template; ``scores`` False: the last piece's score left out."""
+    ``template``: a chat template; ``scores`` False: the last piece's score left out;
+    ``extra``: more metadata, strings and floats (a Gemma 2 style final_logit_softcapping)."""
     from conftest import gemma3
 
     pieces = gemma_tokenizer()
@@ -311,6 +312,8 @@ def write_gemma3_gguf(path: Path, types: dict[str, str], seed: int = 0, hidden: 
     writer.add_add_eos_token(False)
     if template:
         writer.add_chat_template(template)
+    for key, value in (extra or {}).items():
+        (writer.add_string if isinstance(value, str) else writer.add_float32)(key, value)
     for name, value in model.state_dict().items():
         if name == "lm_head.weight":
             continue

@@ -305,6 +305,7 @@ def test_a_gguf_vocabulary_splits_text_as_llama_cpp_does(gguf_file):
 @pytest.mark.parametrize("options,match", [
     (dict(window=2**21), "attention.sliding_window is 2,097,152"),
     (dict(scores=False), "pieces come with"),
+    (dict(extra={"gemma3.final_logit_softcapping": "thirty"}), "not a number a model has"),
 ])
 def test_a_bad_gemma_file_is_a_one_line_error(tmp_path, options, match):
     bad, _ = write_gemma3_gguf(tmp_path / "bad.gguf", {}, seed=6, **options)
@@ -313,3 +314,12 @@ def test_a_bad_gemma_file_is_a_one_line_error(tmp_path, options, match):
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert result.exit_code == 1 and len(errors) == 1 and match in errors[0], result.output
     assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_a_gguf_final_logit_softcapping_is_read_and_passes_the_gate(tmp_path):
+    """llama.cpp reads gemma3.final_logit_softcapping where a file has one: so does the
+    export, and the graph caps as PyTorch does (the cap below the logits' size, so it acts)."""
+    file, _ = write_gemma3_gguf(tmp_path / "capped.gguf", {}, seed=7,
+                                extra={"gemma3.final_logit_softcapping": 0.5})
+    validation = export_pair(file, None, tmp_path / "pkg").target.validation
+    assert validation["failures"] == [] and validation["logit_scale"] == 1.0

@@ -28,6 +28,7 @@ dequantized to float32 (and quantized again only as ``--quantize`` asks).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -227,7 +228,7 @@ def gemma3_config(reader, config, file: Path, role: str) -> None:
                                     if layers == GEMMA_27B_LAYERS else config.head_dim)
     config.final_logit_softcapping = None
     if f"{arch}.final_logit_softcapping" in reader.fields:
-        cap = float(_field(reader, f"{arch}.final_logit_softcapping"))
+        cap = _number(reader, f"{arch}.final_logit_softcapping", file, role)
         config.final_logit_softcapping = cap if cap > 0 else None
     kind = f"{arch}.rope.scaling.type"
     if kind in reader.fields and _field(reader, kind) != "none":
@@ -236,7 +237,18 @@ def gemma3_config(reader, config, file: Path, role: str) -> None:
             raise ExportError(f"--{role} {file}: its rope scaling is {_field(reader, kind)}; "
                               "edgespec reads Gemma 3's linear scaling only from GGUF files; "
                               "export the model's Hugging Face folder instead")
-        config.rope_scaling = {"rope_type": "linear", "factor": float(_field(reader, factor))}
+        config.rope_scaling = {"rope_type": "linear",
+                               "factor": _number(reader, factor, file, role)}
+
+
+def _number(reader, key: str, file: Path, role: str) -> float:
+    """A finite positive (or zero) number the file holds under ``key``; one line otherwise."""
+    value = _field(reader, key)
+    if isinstance(value, (bool, str)) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value < 0:
+        raise ExportError(f"--{role} {file}: {key} is {str(value)[:40]!r}, not a number a "
+                          "model has; convert the file again")
+    return float(value)
 
 
 # Llama 3.1, 3.2 and 3.3 scale their rotary frequencies by these (config.json's rope_scaling);
