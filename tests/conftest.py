@@ -126,6 +126,33 @@ def qwen3(vocab: int, hidden: int, layers: int, seed: int, **config):
     return model
 
 
+def gemma3(vocab: int, hidden: int, seed: int, window: int = 8, **config):
+    """A random Gemma 3 with Gemma 3's layer pattern at a small size: local (sliding-window)
+    layers around a global one (``layer_types``), 4 heads over 2 KV heads of head_dim 32,
+    q.k scaled by a ``query_pre_attn_scalar`` other than head_dim, rope bases 1e6 (global)
+    and 1e4 (local), a window of ``window`` positions, tied. Its norm weights are drawn away from
+    0 (Gemma scales by 1 + w: a graph that forgot the 1, or added it twice, is far off)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(**dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        query_pre_attn_scalar=24, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, max_position_embeddings=128,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=True) | config)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(0, 0.3)
+            elif "embed" in name:
+                parameter.normal_(0, 0.05)  # rows scaled by sqrt(hidden) = 8
+    return model
+
+
 def gpt2(vocab: int, hidden: int, layers: int, seed: int, init: float = 0.02, positions=128):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel

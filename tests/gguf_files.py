@@ -182,6 +182,34 @@ LLAMA_K = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": 
            "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
 
 
+def assert_compact(manifest, package: Path) -> None:
+    """The graph keeps the file's blocks in about their bytes: its stored weights (inline,
+    in the data file, and the parts of tensors made at load) take at most 1.15x the file's
+    tensors (its block-sum matrices aside: the graph's own constants; its rotary tables are
+    made at load)."""
+    import onnx
+    from gguf import GGUFReader
+
+    source = sum(int(t.n_bytes) for t in GGUFReader(manifest.source["target"]).tensors)
+    graph = onnx.load(str(package / "target" / "model.onnx"), load_external_data=False).graph
+    own = ("block_sums",)
+    stored = 0
+    for t in graph.initializer:
+        if t.name.startswith(own):
+            continue
+        where = {e.key: e.value for e in t.external_data}
+        stored += len(t.raw_data) if not where else int(where.get("length", 0))
+
+    def parts(recipe):
+        if not isinstance(recipe, dict):
+            return 0
+        return recipe.get("length", 0) + sum(parts(v) for v in recipe.values())
+
+    unpack = package / "target" / "unpack.json"
+    stored += sum(map(parts, json.loads(unpack.read_text()).values())) if unpack.exists() else 0
+    assert stored <= 1.15 * source, (stored, source)
+
+
 # -- blocks of a type ---------------------------------------------------------------------------
 
 K_QUANTS = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes a super-block of 256
@@ -204,3 +232,108 @@ def _raw(qtype: str, rows: int, columns: int, seed: int) -> np.ndarray:
          ).astype(np.float32)
     w[0, :32] = 0.25  # a flat block: scale 0, every weight the minimum
     return gguf.quants.quantize(w, Q[qtype])
+
+
+# -- Gemma 3 ---------------------------------------------------------------------------------------
+
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+# llama.cpp's Gemma 3 names (gguf-py's constants) of the norms Llama lacks or names otherwise
+_GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+# the Gemma 3 270M file's types: q/k and the MLP's gate/up Q5_0, v Q8_0, o Q4_K, down Q6_K, the
+# tied table Q8_0 (hidden and 4 heads of 64 are 256: a K-quant super-block)
+GEMMA3 = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_K",
+          "ffn_gate": "Q5_0", "ffn_up": "Q5_0", "ffn_down": "Q6_K", "token_embd": "Q8_0"}
+
+
+def gemma_tokenizer():
+    """A SentencePiece-style Unigram tokenizer (pieces with scores, "▁" for spaces) trained on
+    the tests' corpus, with Gemma's special tokens first, as Gemma's tokenizer has them."""
+    from conftest import CORPUS
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=400, special_tokens=GEMMA_SPECIALS,
+                                      unk_token="<unk>")
+    tok.train_from_iterator(CORPUS, trainer)
+    return json.loads(tok.to_str())["model"]["vocab"]  # [[piece, score], ...]
+
+
+# Gemma 3 instruct files' template, shortened (no system turn, no images)
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<start_of_turn>"
+                  "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+                  "{{ message['content'] | trim }}<end_of_turn>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def write_gemma3_gguf(path: Path, types: dict[str, str], seed: int = 0, hidden: int = 256,
+                      window: int = 8, layers: int = 6, template: str | None = None,
+                      scores: bool = True, extra: dict | None = None) -> tuple[Path, object]:
+    """A GGUF file of a tiny random Gemma 3 as llama.cpp's convert_hf_to_gguf.py writes one
+    (norm weights + 1, no q/k permutation, a SentencePiece vocabulary with scores; no
+    sliding-window pattern: llama.cpp's is every sixth layer global), and the model it holds
+    (the config llama.cpp reads: query_pre_attn_scalar head_dim, local rope base 10,000).
+    ``template``: a chat template; ``scores`` False: the last piece's score left out;
+    ``extra``: more metadata, strings and floats (a Gemma 2 style final_logit_softcapping)."""
+    from conftest import gemma3
+
+    pieces = gemma_tokenizer()
+    kinds = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+             for i in range(layers)]
+    model = gemma3(len(pieces), hidden, seed, window=window, num_hidden_layers=layers,
+                   layer_types=kinds, head_dim=64, query_pre_attn_scalar=64, bos_token_id=2,
+                   eos_token_id=1, pad_token_id=0)
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_name("tiny gemma3")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_sliding_window(window)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([p for p, _ in pieces])
+    writer.add_token_scores([float(s) for _, s in pieces][:None if scores else -1])
+    writer.add_token_types([3 if p in GEMMA_SPECIALS else 1 for p, _ in pieces])
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    if template:
+        writer.add_chat_template(template)
+    for key, value in (extra or {}).items():
+        (writer.add_string if isinstance(value, str) else writer.add_float32)(key, value)
+    for name, value in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        w = value.float().numpy()
+        if name.endswith("norm.weight"):  # llama.cpp's Gemma converter: + 1
+            w = w + 1
+        module = name.split(".")[-2]
+        short = (f"blk.{name.split('.')[2]}.{_GEMMA_NORMS[module]}.weight"
+                 if module in _GEMMA_NORMS else _gguf_name(name))
+        base = short.split(".")[-2] if short.startswith("blk.") else short.split(".")[0]
+        qtype = types.get(base, "F32") if w.ndim == 2 else "F32"
+        if qtype == "F32":
+            writer.add_tensor(short, np.ascontiguousarray(w, dtype=np.float32))
+        elif qtype in K_QUANTS:
+            writer.add_tensor(short, _raw(qtype, *w.shape, seed=sum(map(ord, short))),
+                              raw_dtype=Q[qtype])
+        else:
+            writer.add_tensor(short, gguf.quants.quantize(w, Q[qtype]), raw_dtype=Q[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, model

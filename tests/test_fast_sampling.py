@@ -152,7 +152,7 @@ def test_top_p_exactly_at_a_mass_the_reference_reaches(logits, temperature, top_
     assert_same_distribution(logits, replace(config, top_p=top_p))
 
 
-@pytest.mark.parametrize("vocab", [20_000, 151_936])
+@pytest.mark.parametrize("vocab", [20_000, 151_936, 262_144])  # 262,144: Gemma 3
 @pytest.mark.parametrize(
     "config",
     [SamplingConfig(1.0), SamplingConfig(0.7, top_p=0.9), SamplingConfig(0.8, top_k=50),
@@ -249,7 +249,7 @@ def reference_inverse_cdf(probs: np.ndarray, u: float) -> int:
     return int(np.searchsorted(cdf, u * cdf[-1], side="right"))
 
 
-@pytest.mark.parametrize("vocab", [7, 5_000, 151_936])
+@pytest.mark.parametrize("vocab", [7, 5_000, 151_936, 262_144])
 @pytest.mark.parametrize("config", [SamplingConfig(1.0), SamplingConfig(0.7, top_p=0.9)], ids=str)
 def test_a_uniform_draws_the_token_the_reference_would(vocab, config):
     rng = np.random.default_rng(1)
@@ -576,3 +576,22 @@ def test_the_loop_check_rejects_rows_penalized_without_their_drafts(monkeypatch)
     monkeypatch.setattr(Penalties, "rows",
                         lambda self, logits, committed, drafted=(): rows(self, logits, committed))
     assert first_tokens_pvalue(N_LOOP, SAMPLED_AND_PENALIZED["T=1 penalties"], k=2) < 1e-6
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.7, top_p=0.9)],
+                         ids=str)
+def test_the_loop_at_gemmas_vocabulary_gives_one_text_whatever_k(sampling):
+    """The loop at 262,144 rows (Gemma 3's vocabulary; the distribution checks above need a
+    small one): one seed, one text at every fixed k, another seed another text."""
+    vocab = 262_144
+    config = GenerationConfig(max_new_tokens=12, sampling=sampling, seed=3, draft_length=4)
+    texts = [fake_decode(*fake_pair(vocab), config, FixedSchedule(k)) for k in (1, 2, 4)]
+    assert texts[0] == texts[1] == texts[2]
+    assert fake_decode(*fake_pair(vocab), replace(config, seed=4), FixedSchedule(2)) != texts[0]
+
+
+def test_greedy_at_gemmas_vocabulary_is_target_only_whatever_k():
+    config = GenerationConfig(max_new_tokens=12)
+    alone = fake_decode(fake_pair(262_144)[0], None, config, FixedSchedule(1))
+    for schedule in (FixedSchedule(1), FixedSchedule(4), RandomSchedule(1)):
+        assert fake_decode(*fake_pair(262_144), config, schedule) == alone

@@ -27,7 +27,7 @@ from edgespec.export.gguf_blocks import REPACKED, Packed, repack
 
 gguf = pytest.importorskip("gguf")
 from gguf_files import (LLAMA, LLAMA_K, LLAMA_Q4_0, Q, QWEN2, QWEN3, _model,  # noqa: E402
-                        _raw, write_gguf)
+                        _raw, assert_compact, write_gguf)
 
 
 @pytest.fixture(scope="module")
@@ -146,42 +146,13 @@ def test_exports_equal_the_dequantized_model_at_fp32s_gate(packages, name):
     assert repacked == expected
     # 8-bit blocks stay blocks in float compute too (dequantized when the session loads)
     assert "dequantized" not in weights["tensors"]
-    _assert_compact(manifest, packages[name])
+    assert_compact(manifest, packages[name])
     if name == "llama":
         assert weights["tensors"]["kept"]["F16"] == 1
         _assert_one_transposed_table(packages[name] / "target" / "model.onnx")
     if name == "qwen3":  # the head size from attention.key_length; the norms read as stored
         assert manifest.target.head_dim == 32 and weights["tensors"]["kept"]["F32"] == 9
     assert manifest.source["target"].endswith(".gguf")
-
-
-def _assert_compact(manifest, package: Path) -> None:
-    """The graph keeps the file's blocks in about their bytes: its stored weights (inline,
-    in the data file, and the parts of tensors made at load) take at most 1.15x the file's
-    tensors (its rotary tables and block-sum matrices aside: the graph's own constants)."""
-    import json
-
-    import onnx
-    from gguf import GGUFReader
-
-    source = sum(int(t.n_bytes) for t in GGUFReader(manifest.source["target"]).tensors)
-    graph = onnx.load(str(package / "target" / "model.onnx"), load_external_data=False).graph
-    own = ("cos_cache", "sin_cache", "block_sums")
-    stored = 0
-    for t in graph.initializer:
-        if t.name.startswith(own):
-            continue
-        where = {e.key: e.value for e in t.external_data}
-        stored += len(t.raw_data) if not where else int(where.get("length", 0))
-
-    def parts(recipe):
-        if not isinstance(recipe, dict):
-            return 0
-        return recipe.get("length", 0) + sum(parts(v) for v in recipe.values())
-
-    unpack = package / "target" / "unpack.json"
-    stored += sum(map(parts, json.loads(unpack.read_text()).values())) if unpack.exists() else 0
-    assert stored <= 1.15 * source, (stored, source)
 
 
 def _assert_one_transposed_table(path: Path) -> None:

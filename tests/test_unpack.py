@@ -86,6 +86,45 @@ def test_a_data_file_that_is_a_link_is_refused(tmp_path):
         unpack.read(tmp_path / "pkg")
 
 
+@pytest.mark.parametrize("base,scaling", [(10_000.0, None), (1_000_000.0, None),
+                                          (1_000_000.0, {"rope_type": "linear", "factor": 8.0}),
+                                          (10_000.0, {"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 4096})])
+def test_rotary_tables_made_at_load_are_transformers(tmp_path, base, scaling):
+    """Gemma 3's rotary tables from the module's frequencies (its two bases, the global one
+    scaled) equal what its rotary module computes, within a unit in the last place of cos and
+    sin (the recipe rounds a float64 cos once; PyTorch's float32 cos is within one ulp)."""
+    import torch
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    config = Gemma3TextConfig(head_dim=256, rope_theta=base, rope_scaling=scaling,
+                              max_position_embeddings=16384)
+    rotary = Gemma3RotaryEmbedding(config)
+    frequencies = rotary.inv_freq.float().numpy()
+    folder = _folder(tmp_path, {fn: {"op": "rotary", "frequencies": _part(0, [128], "float32"),
+                                     "positions": 16384, "fn": fn,
+                                     "scale": float(rotary.attention_scaling)}
+                                for fn in ("cos", "sin")}, frequencies.tobytes())
+    made = unpack.read(folder)
+    with torch.no_grad():
+        cos, sin = rotary(torch.zeros(1), torch.arange(16384)[None])
+    for fn, expected in (("cos", cos), ("sin", sin)):
+        assert made[fn].shape == (16384, 128) and made[fn].dtype == np.float32
+        np.testing.assert_allclose(made[fn], expected[0, :, :128].numpy(), rtol=0, atol=2.4e-7)
+
+
+def test_rotary_tables_have_a_budget_of_their_own(tmp_path):
+    """Tables larger than a long context's are refused, and so are many of them."""
+    part = _part(0, [64], "float32")
+    table = {"op": "rotary", "frequencies": part, "positions": 1 << 21, "fn": "cos", "scale": 1}
+    with pytest.raises(ManifestError, match="far more bytes"):
+        unpack.read(_folder(tmp_path, {"big": table}))
+    many = {str(i): {**table, "positions": 1 << 16} for i in range(17)}  # 17 x 16 MB
+    with pytest.raises(ManifestError, match="far more bytes"):
+        unpack.read(_folder(tmp_path, many))
+
+
 class _Session:
     """What release_unpacked sees of an onnxruntime session."""
 

@@ -1,5 +1,5 @@
-"""A fused ONNX graph for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3), written from the
-checkpoint's weights.
+"""A fused ONNX graph for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Gemma 3), written
+from the checkpoint's weights.
 
 (Over 400 lines on purpose: one builder writes the whole graph in one pass, and the ops of a
 layer, with the checkpoint's float weights and a GGUF file's own blocks, read best together.)
@@ -9,13 +9,16 @@ slices, concatenating the cache), and each op costs dispatch time that dominates
 model's decode step. This builder emits the few fused onnxruntime operators the model needs
 (the approach of onnxruntime-genai's model builder; the graph here is written independently):
 
-    Gather(embedding)
+    Gather(embedding)  (Gemma: * sqrt(hidden))
     per layer:  SkipSimplifiedLayerNormalization  (residual add + RMSNorm)
                 MatMul(q|k|v fused)  -> GroupQueryAttention (rotary, causal, KV cache)
-                    (Qwen3: q and k split off and RMS-normalized head by head first)
-                MatMul(o)  -> SkipSimplifiedLayerNormalization
+                    (Qwen3, Gemma: q and k split off and RMS-normalized head by head first;
+                     Gemma's sliding layers: GroupQueryAttention's local window)
+                MatMul(o)  (Gemma: -> SimplifiedLayerNormalization)
+                -> SkipSimplifiedLayerNormalization
                 MatMul(gate|up fused) -> SiLU(gate) * up -> MatMul(down)
-    SkipSimplifiedLayerNormalization -> MatMul(lm_head) -> logits
+                    (Gemma: GELU(tanh) instead of SiLU, -> SimplifiedLayerNormalization)
+    SkipSimplifiedLayerNormalization -> MatMul(lm_head) -> logits  (Gemma: softcapped if set)
 
 Inputs and outputs keep the names of optimum's graph (input_ids, attention_mask,
 past_key_values.i.key/value -> logits, present.i.key/value), so the runtime drives both alike.
@@ -44,7 +47,9 @@ import torch
 from transformers import PreTrainedModel
 
 from edgespec.errors import ExportError
-from edgespec.export.families import QK_NORM, head_dim_of, why_not_fused
+from edgespec.export.families import (GEMMA, QK_NORM, attention_scale, embed_scale,
+                                      head_dim_of, layer_window, local_rope_config, norm_offset,
+                                      why_not_fused)
 from edgespec.export.memory import trim
 from edgespec.export.onnx_io import EXTERNAL_ABOVE, WeightStore, write_graph
 from edgespec.export.precision import INT8_COMPUTE, QUANT_BLOCK_SIZE, quantize_blocks
@@ -339,10 +344,23 @@ class _Builder:
     def skip_norm(self, name: str, x: str, skip: str, norm: str) -> tuple[str, str]:
         """(RMSNorm(x + skip), x + skip); ``norm`` names the checkpoint's weight."""
         normed, _, _, total = self.node(
-            "SkipSimplifiedLayerNormalization", [x, skip, self.weight(name, self.tensors.read(norm))],
+            "SkipSimplifiedLayerNormalization", [x, skip, self.norm_weight(name, norm)],
             outputs=4, domain=_MS, epsilon=float(self.eps),
         )
         return normed, total
+
+    def norm(self, name: str, x: str, norm: str) -> str:
+        """RMSNorm(x) over the last axis; ``norm`` names the checkpoint's weight."""
+        (normed,) = self.node("SimplifiedLayerNormalization", [x, self.norm_weight(name, norm)],
+                              axis=-1, epsilon=float(self.eps))
+        return normed
+
+    def norm_weight(self, name: str, norm: str) -> str:
+        """An RMSNorm's scale: the stored weight, + 1 in float32 for Gemma (Gemma3RMSNorm
+        multiplies by ``1.0 + weight.float()``)."""
+        weight = self.tensors.read(norm)
+        offset = norm_offset(self.config)
+        return self.weight(name, weight.float() + offset if offset else weight)
 
     # -- the graph ----------------------------------------------------------------------------
 
@@ -355,21 +373,22 @@ class _Builder:
         layers = cfg.num_hidden_layers
 
         seqlens_k, total_len = self.attention_lengths()
-        cos, sin = self.rotary_caches(head_dim)
+        gemma = cfg.model_type in GEMMA
+        rotary = self.rotary_caches(head_dim)
+        local_rotary = (self.rotary_caches(head_dim, local_rope_config(cfg), ".local")
+                        if any(layer_window(cfg, i) for i in range(layers)) else rotary)
 
         x, table = self.embedding()
+        if gemma:  # Gemma3TextScaledWordEmbedding: rows * sqrt(hidden) in the table's type
+            (x,) = self.node("Mul", [x, self.weight("embed_scale", np.array(
+                embed_scale(cfg, self.embed_dtype), dtype=np.float32))])
         residual = None
         streams = []  # the residual stream entering each layer (Hugging Face's hidden_states)
         start = time.perf_counter()
         for i in range(layers):
             layer = f"model.layers.{i}"
             if residual is None:
-                (normed,) = self.node(
-                    "SimplifiedLayerNormalization",
-                    [x, self.weight(f"l{i}.in_norm",
-                                    self.tensors.read(f"{layer}.input_layernorm.weight"))],
-                    axis=-1, epsilon=float(self.eps),
-                )
+                normed = self.norm(f"l{i}.in_norm", x, f"{layer}.input_layernorm.weight")
                 residual = x
             else:
                 normed, residual = self.skip_norm(f"l{i}.in_norm", x, residual,
@@ -379,11 +398,21 @@ class _Builder:
             qkv = self.linear(f"l{i}.qkv", normed, f"{attn}.q_proj", f"{attn}.k_proj",
                               f"{attn}.v_proj")
             qkv = self.qk_norm(i, qkv) if cfg.model_type in QK_NORM else [qkv, "", ""]
+            cos, sin = local_rotary if layer_window(cfg, i) else rotary
             context = self.attention(i, qkv, seqlens_k, total_len, cos, sin)
             x = self.linear(f"l{i}.o", context, f"{attn}.o_proj")
-            normed, residual = self.skip_norm(f"l{i}.post_norm", x, residual,
-                                              f"{layer}.post_attention_layernorm.weight")
-            x = self.mlp(i, normed, f"{layer}.mlp")
+            if gemma:  # a norm after attention, another before and after the MLP
+                x = self.norm(f"l{i}.post_attn_norm", x,
+                              f"{layer}.post_attention_layernorm.weight")
+                normed, residual = self.skip_norm(f"l{i}.pre_ffn_norm", x, residual,
+                                                  f"{layer}.pre_feedforward_layernorm.weight")
+                x = self.mlp(i, normed, f"{layer}.mlp")
+                x = self.norm(f"l{i}.post_ffn_norm", x,
+                              f"{layer}.post_feedforward_layernorm.weight")
+            else:
+                normed, residual = self.skip_norm(f"l{i}.post_norm", x, residual,
+                                                  f"{layer}.post_attention_layernorm.weight")
+                x = self.mlp(i, normed, f"{layer}.mlp")
             trim()
             self.progress(f"layer {i + 1}/{layers} written: {self.store.written / 2**20:,.0f} MB, "
                           f"{time.perf_counter() - start:.0f} s")
@@ -429,9 +458,11 @@ class _Builder:
         A source's own blocks are stored and gathered as they are (``packed_embedding``).
         """
         packed = self.packed([EMBED])
+        self.embed_dtype = torch.float32  # blocks: the reference dequantizes to float32
         if packed is not None:
             return self.packed_embedding(packed)
         table = self.tensors.read(EMBED)  # [V, H]
+        self.embed_dtype = table.dtype
         vocab, hidden = table.shape
         if self.bits == 4 and hidden % self.block_size == 0:
             if self.tie:
@@ -517,23 +548,35 @@ class _Builder:
         MatMulNBits bytes, in float the table stored transposed ([H, V]). With token_ids, W is
         the rows of those tokens only."""
         hidden, vocab = self.config.hidden_size, self.config.vocab_size
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        logits = "logits.uncapped" if cap else "logits"
+        self.scores(normed, tied, logits, hidden, vocab)
+        if cap:  # Gemma3ForCausalLM: cap * tanh(logits / cap)
+            scale = self.weight("softcap", np.array(cap, dtype=np.float32))
+            (x,) = self.node("Div", [logits, scale])
+            (x,) = self.node("Tanh", [x])
+            self.node("Mul", [x, scale], outputs=["logits"])
+
+    def scores(self, normed: str, tied: _NBits | tuple[str, ...], logits: str, hidden: int,
+               vocab: int) -> None:
+        """``logits`` = normed @ W^T (lm_head's cases)."""
         if isinstance(tied, _NBits):  # the embedding's blocks
-            self.matmul_nbits(normed, tied, vocab, hidden, outputs=["logits"])
+            self.matmul_nbits(normed, tied, vocab, hidden, outputs=[logits])
             return
         if tied:  # the embedding's table, stored transposed: [H, V]
-            self.node("MatMul", [normed, tied[0]], outputs=["logits"])
+            self.node("MatMul", [normed, tied[0]], outputs=[logits])
             return
         name = EMBED if is_tied(self.model) else HEAD
         packed = self.packed([name])
         if packed is not None:
             if self.token_ids is not None:
                 packed = packed.rows(self.token_ids)
-            self.packed_matmul("lm_head", normed, packed, outputs=["logits"])
+            self.packed_matmul("lm_head", normed, packed, outputs=[logits])
             return
         weight = self.tensors.read(name)  # [V, hidden]
         if self.token_ids is not None:
             weight = weight[torch.from_numpy(self.token_ids.astype(np.int64))]  # [N, hidden]
-        self.matmul("lm_head", normed, weight, output="logits")
+        self.matmul("lm_head", normed, weight, output=logits)
 
     def qk_norm(self, i: int, qkv: str) -> list[str]:
         """[q, k, v] from packed q|k|v, q and k RMS-normalized head by head (Qwen3).
@@ -557,10 +600,7 @@ class _Builder:
         normed = []
         for name, x in (("q_norm", q), ("k_norm", k)):
             (x,) = self.node("Reshape", [x, heads])  # [1, S, heads, D]
-            (x,) = self.node(
-                "SimplifiedLayerNormalization",
-                [x, self.weight(f"l{i}.{name}", self.tensors.read(f"{attn}.{name}.weight"))],
-                axis=-1, epsilon=float(self.eps))
+            x = self.norm(f"l{i}.{name}", x, f"{attn}.{name}.weight")
             normed.append(self.node("Reshape", [x, joined])[0])  # [1, S, heads * D]
         return [*normed, v]
 
@@ -581,45 +621,68 @@ class _Builder:
     def attention(self, i: int, qkv: list[str], seqlens_k: str, total_len: str, cos: str,
                   sin: str) -> str:
         """GroupQueryAttention on [q|k|v packed, "", ""] or [q, k, v]: rotary, causal,
-        past + new -> present."""
+        past + new -> present; a sliding layer attends to its window only.
+
+        GroupQueryAttention's ``local_window_size`` W keeps the W last positions, the token's
+        own included, as transformers' sliding window of W does (kv_idx > q_idx - W): checked
+        against PyTorch past the window (tests/test_gemma3.py; W - 1 differs from the W-th
+        position on). The cache keeps every position (the runtime rolls back by a length);
+        only the mask slides."""
         cfg = self.config
-        head_dim = head_dim_of(cfg)
+        window = layer_window(cfg, i)
+        local = {} if window is None else {"local_window_size": window}
         (context, _, _) = self.node(
             "GroupQueryAttention",
             [*qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value",
              seqlens_k, total_len, cos, sin],
             outputs=[f"l{i}.attn", f"present.{i}.key", f"present.{i}.value"], domain=_MS,
             num_heads=cfg.num_attention_heads, kv_num_heads=cfg.num_key_value_heads, do_rotary=1,
-            rotary_interleaved=0, scale=float(head_dim**-0.5),
+            rotary_interleaved=0, scale=attention_scale(cfg), **local,
         )
         return context
 
     def mlp(self, i: int, x: str, mlp: str) -> str:
-        """down(SiLU(gate(x)) * up(x)), gate and up in one MatMul."""
+        """down(act(gate(x)) * up(x)), gate and up in one MatMul; act is SiLU, or for Gemma
+        GELU's tanh approximation (``gelu_pytorch_tanh``: onnxruntime's FastGelu computes
+        0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), the same formula)."""
         gate_up = self.linear(f"l{i}.gate_up", x, f"{mlp}.gate_proj", f"{mlp}.up_proj")
         size = self.tensors.shape(f"{mlp}.gate_proj.weight")[0]
         gate, up = self.node("Split", [gate_up, self.weight(f"l{i}.split", np.array([size, size]))],
                              outputs=2, axis=-1)
-        (sig,) = self.node("Sigmoid", [gate])
-        (silu,) = self.node("Mul", [gate, sig])
-        (act,) = self.node("Mul", [silu, up])
+        if self.config.model_type in GEMMA:
+            (act,) = self.node("FastGelu", [gate], domain=_MS)
+        else:
+            (sig,) = self.node("Sigmoid", [gate])
+            (act,) = self.node("Mul", [gate, sig])
+        (act,) = self.node("Mul", [act, up])
         return self.linear(f"l{i}.down", act, f"{mlp}.down_proj")
 
-    def rotary_caches(self, head_dim: int) -> tuple[str, str]:
+    def rotary_caches(self, head_dim: int, config=None, name: str = "") -> tuple[str, str]:
         """cos/sin tables [max_positions, head_dim / 2], from the model's own rotary module
-        (made afresh from the config: a skeleton's has no values).
+        (made afresh from ``config``, the model's by default: a skeleton's has no values).
 
         The module's output repeats each half (rotate-half layout); it already includes any
-        static rope scaling of the checkpoint.
+        static rope scaling of the checkpoint. A source of GGUF blocks stores the module's
+        frequencies and makes the tables at load (runtime/unpack.py's "rotary"): Gemma 3's two
+        rope bases over 32,768 positions are 64 MB of tables, a quarter of the 270M file.
         """
-        rotary = type(self.model.model.rotary_emb)(config=self.config)
-        positions = torch.arange(self.config.max_position_embeddings)[None]  # [1, P]
+        config = config or self.config
+        rotary = type(self.model.model.rotary_emb)(config=config)
+        count = self.config.max_position_embeddings
+        half = head_dim // 2
+        if hasattr(self.tensors, "packed"):  # a GGUF-sized package: made when it loads
+            frequencies = {"op": "part", "array": rotary.inv_freq.float().numpy()}  # [half]
+            return tuple(self.store.add_unpacked(
+                f"{fn}_cache{name}", {"op": "rotary", "frequencies": frequencies,
+                                      "positions": count, "fn": fn,
+                                      "scale": float(rotary.attention_scaling)},
+                np.float32, (count, half)) for fn in ("cos", "sin"))
+        positions = torch.arange(count)[None]  # [1, P]
         dummy = torch.zeros(1, dtype=torch.float32)
         with torch.no_grad():
             cos, sin = rotary(dummy, positions)  # [1, P, head_dim]
-        half = head_dim // 2
-        return (self.weight("cos_cache", cos[0, :, :half].float()),
-                self.weight("sin_cache", sin[0, :, :half].float()))
+        return (self.weight(f"cos_cache{name}", cos[0, :, :half].float()),
+                self.weight(f"sin_cache{name}", sin[0, :, :half].float()))
 
 
 def _values(packed) -> dict:

@@ -11,7 +11,13 @@ maps the file for the metadata and tensor table; tensors.py says why a mapping i
 through), under the Hugging Face names the fused builder asks for. llama.cpp's converter
 permutes the rows of a Llama model's q and k weights for its rotary layout
 (convert_hf_to_gguf.py's ``permute``); the inverse row permutation is applied here, to float
-weights and to repacked blocks alike.
+weights and to repacked blocks alike. Its Gemma converter stores every RMSNorm weight with
+Gemma's + 1 added (the file's scale is the ``1 + w`` Gemma3RMSNorm multiplies by); the 1 is taken
+off here, as transformers' GGUF loader does, and the builder adds it back.
+
+Gemma 3's config is completed as llama.cpp's loader completes it (src/llama-model.cpp,
+LLM_ARCH_GEMMA3, in ``gemma3_config``): what transformers' GGUF config leaves at
+Gemma3TextConfig's defaults.
 
 **Repacked, not re-quantized** where onnxruntime's MatMulNBits holds the same numbers
 (gguf_blocks.py: Q4_0, Q4_1, Q4_K, Q8_0, Q6_K). F32/F16/BF16
@@ -22,6 +28,7 @@ dequantized to float32 (and quantized again only as ``--quantize`` asks).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -37,6 +44,7 @@ from edgespec.export.gguf_header import refuse_early
 from edgespec.export.tensors import TensorIndex
 
 PERMUTED = ("llama",)  # architectures whose q/k rows llama.cpp's converter permutes
+NORM_PLUS_ONE = ("gemma3",)  # architectures whose norm weights llama.cpp's converter stores + 1
 KEPT = ("F32", "F16", "BF16")
 _TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -97,11 +105,15 @@ def read_gguf_checkpoint(file: Path, role: str) -> GGUFCheckpoint:
     try:
         with quiet("transformers"), _one_parse():
             config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
-            tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+            tokenizer = (sentencepiece_bpe(reader, file, role) if architecture in SPM_BPE
+                         and _field(reader, "tokenizer.ggml.model") == "llama" else
+                         AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name))
     except (ValueError, OSError, KeyError, TypeError, IndexError) as e:
         raise ExportError(f"--{role} {file}: transformers cannot read its config or tokenizer "
                           f"({one_line(e)})") from None
     config.head_dim = _head_dim(reader, architecture, config, file, role)
+    if architecture == "gemma3":
+        gemma3_config(reader, config, file, role)
     factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if factors is not None:
         config.rope_scaling = llama3_scaling(_rope_factors(factors, file, role), config, file, role)
@@ -111,8 +123,132 @@ def read_gguf_checkpoint(file: Path, role: str) -> GGUFCheckpoint:
                           "incomplete")
     eos = [_field(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if k in reader.fields]
+    if architecture == "gemma3" and "tokenizer.ggml.eot_token_id" not in reader.fields:
+        # a turn ends with <end_of_turn> (llama.cpp's vocabulary takes it as end of generation
+        # by its text; Gemma's generation_config.json lists it beside <eos>)
+        turn_end = tokenizer.convert_tokens_to_ids(GEMMA_TURN_END)
+        if isinstance(turn_end, int) and turn_end != tokenizer.unk_token_id:
+            eos.append(turn_end)
     _set_special_tokens(tokenizer, reader)
     return GGUFCheckpoint(file, config, tokenizer, eos_ids=tuple(eos), architecture=architecture)
+
+
+SPM_BPE = ("gemma3",)  # architectures whose SentencePiece vocabulary is BPE (sentencepiece_bpe)
+_NORMAL, _CONTROL, _USER = 1, 3, 4  # tokenizer.ggml.token_type (SentencePiece's piece types)
+
+
+def sentencepiece_bpe(reader, file: Path, role: str):
+    """A Gemma file's tokenizer: its SentencePiece BPE vocabulary (tokenizer.ggml.model
+    "llama": pieces and scores) as a Hugging Face BPE tokenizer that splits text as llama.cpp's
+    SPM tokenizer does (src/llama-vocab.cpp): characters merged, the adjacent pair whose
+    concatenation is the highest-scoring piece first, unknown characters as bytes.
+
+    transformers 4.57 reads these files as a Unigram model over the same scores, which splits
+    "the capital" into "▁t he ▁c ap it al" (a BPE piece's score is minus its rank, so Unigram
+    prefers the shortest pieces) and the model answers garbled. Here the merges are every
+    split of a normal piece into two normal pieces, ranked by the piece's score (transformers'
+    own merges for a Llama GGUF without any, made with a dictionary rather than list lookups:
+    262,144 pieces). Control pieces are special tokens, user-defined ones ("\n", "<b>")
+    matched whole, as SentencePiece and llama.cpp match them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE
+    from transformers import GemmaTokenizerFast
+
+    tokens = [str(t) for t in _array(reader, "tokenizer.ggml.tokens")]
+    scores = [float(s) for s in _array(reader, "tokenizer.ggml.scores")]
+    kinds = [int(k) for k in _array(reader, "tokenizer.ggml.token_type")]
+    if not len(tokens) == len(scores) == len(kinds) or len(set(tokens)) < len(tokens):
+        raise ExportError(f"--{role} {file}: its vocabulary's {len(tokens):,} pieces come with "
+                          f"{len(scores):,} scores and {len(kinds):,} types, or repeat a piece; "
+                          "a SentencePiece vocabulary has one of each per distinct piece; "
+                          "convert the file again")
+    normal = {t: s for t, s, k in zip(tokens, scores, kinds) if k == _NORMAL}
+    merges = []  # (score of the piece, left, right)
+    for piece, score in normal.items():
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece))
+                  if piece[:i] in normal and piece[i:] in normal]
+        splits.sort(key=lambda pair: (normal[pair[0]], normal[pair[1]]), reverse=True)
+        merges.extend((score, left, right) for left, right in splits)
+    merges.sort(key=lambda merge: merge[0], reverse=True)  # stable: ties keep their order
+    ids = {name: int(_field(reader, f"tokenizer.ggml.{name}_token_id"))
+           for name in ("bos", "eos", "unknown", "padding")
+           if f"tokenizer.ggml.{name}_token_id" in reader.fields}
+    unk = tokens[ids["unknown"]] if "unknown" in ids else None
+    backend = Tokenizer(BPE({t: i for i, t in enumerate(tokens)},
+                            [(left, right) for _, left, right in merges], unk_token=unk,
+                            fuse_unk=True, byte_fallback=True))
+    prefix = ([normalizers.Prepend("▁")] if _flag(reader, "tokenizer.ggml.add_space_prefix")
+              else [])
+    backend.normalizer = normalizers.Sequence(prefix + [normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, k in zip(tokens, kinds) if k == _CONTROL])
+    backend.add_tokens([AddedToken(t, normalized="▁" in t, special=False)
+                        for t, k in zip(tokens, kinds) if k == _USER])
+    named = {f"{name}_token": tokens[ids[key]] for name, key in (
+        ("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")) if key in ids}
+    template = ({"chat_template": _field(reader, "tokenizer.chat_template")}
+                if "tokenizer.chat_template" in reader.fields else {})
+    return GemmaTokenizerFast(
+        tokenizer_object=backend, add_bos_token=_flag(reader, "tokenizer.ggml.add_bos_token",
+                                                      True),
+        add_eos_token=_flag(reader, "tokenizer.ggml.add_eos_token"), **named, **template)
+
+
+def _array(reader, key: str) -> list:
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    return read_field(reader, key)
+
+
+def _flag(reader, key: str, default: bool = False) -> bool:
+    return bool(_field(reader, key)) if key in reader.fields else default
+
+
+GEMMA_TURN_END = "<end_of_turn>"
+GEMMA_27B_LAYERS = 62  # llama.cpp's LLM_TYPE_27B for gemma3: attention scaled by hidden / heads
+
+
+def gemma3_config(reader, config, file: Path, role: str) -> None:
+    """Gemma 3's config as llama.cpp reads the file (LLM_ARCH_GEMMA3 in src/llama-model.cpp):
+    with ``attention.sliding_window``, every sixth layer global and the others local, rotating
+    with base 10,000 unscaled; without it, every layer global. q.k scaled by head_dim ** -0.5
+    (hidden / heads for the 27B, 62 layers); ``final_logit_softcapping`` if the file has one;
+    linear ``rope.scaling`` (Gemma 3 4B and larger) on the global layers."""
+    arch = "gemma3"
+    window = reader.fields.get(f"{arch}.attention.sliding_window") and int(
+        _field(reader, f"{arch}.attention.sliding_window"))
+    layers = config.num_hidden_layers
+    config.layer_types = ["sliding_attention" if window and (i + 1) % 6 else "full_attention"
+                          for i in range(layers)]
+    config.sliding_window = window or None
+    config.rope_local_base_freq = 10000.0
+    config.query_pre_attn_scalar = (config.hidden_size // config.num_attention_heads
+                                    if layers == GEMMA_27B_LAYERS else config.head_dim)
+    config.final_logit_softcapping = None
+    if f"{arch}.final_logit_softcapping" in reader.fields:
+        cap = _number(reader, f"{arch}.final_logit_softcapping", file, role)
+        config.final_logit_softcapping = cap if cap > 0 else None
+    kind = f"{arch}.rope.scaling.type"
+    if kind in reader.fields and _field(reader, kind) != "none":
+        factor = f"{arch}.rope.scaling.factor"
+        if _field(reader, kind) != "linear" or factor not in reader.fields:
+            raise ExportError(f"--{role} {file}: its rope scaling is {_field(reader, kind)}; "
+                              "edgespec reads Gemma 3's linear scaling only from GGUF files; "
+                              "export the model's Hugging Face folder instead")
+        config.rope_scaling = {"rope_type": "linear",
+                               "factor": _number(reader, factor, file, role)}
+
+
+def _number(reader, key: str, file: Path, role: str) -> float:
+    """A finite positive (or zero) number the file holds under ``key``; one line otherwise."""
+    value = _field(reader, key)
+    if isinstance(value, (bool, str)) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value < 0:
+        raise ExportError(f"--{role} {file}: {key} is {str(value)[:40]!r}, not a number a "
+                          "model has; convert the file again")
+    return float(value)
 
 
 # Llama 3.1, 3.2 and 3.3 scale their rotary frequencies by these (config.json's rope_scaling);
@@ -288,6 +424,7 @@ class GGUFTensors(TensorIndex):
         self.config = model.config
         architecture = _field(reader, "general.architecture")
         self._permuted = architecture in PERMUTED
+        self._norm_plus_one = architecture in NORM_PLUS_ONE
         names = get_gguf_hf_weights_map(model, "llama" if architecture == "llama" else
                                         architecture, model.config.num_hidden_layers)
         self._entries: dict[str, _Tensor] = {}
@@ -335,6 +472,8 @@ class GGUFTensors(TensorIndex):
                                       .reshape(entry.shape))
             how = "dequantized"
         self._note(name, entry, how)
+        if self._norm_plus_one and name.endswith("norm.weight"):
+            tensor = tensor.float() - 1  # the file's 1 + w: the checkpoint's w
         return self._unpermute(name, tensor)
 
     def rows(self, name: str, ids: np.ndarray) -> torch.Tensor:

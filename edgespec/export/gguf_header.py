@@ -50,10 +50,11 @@ CONFIG_RANGES = {
     "attention.key_length": (1, 1024),
     "attention.value_length": (1, 1024),
     "rope.dimension_count": (1, 1024),
+    "attention.sliding_window": (0, 1 << 20),  # 0: none (llama.cpp's reading)
     "vocab_size": (1, 1 << 22),
 }
 # the general.architecture values read (llama.cpp writes Mistral models as "llama")
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 REQUIRED = ("block_count", "embedding_length", "attention.head_count")
 MAX_VOCAB = 1 << 22
 TOKEN_IDS = ("bos", "eos", "eot", "padding", "unknown")

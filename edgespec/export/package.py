@@ -27,7 +27,7 @@ from edgespec.errors import ExportError
 from edgespec.export.destination import atomic_folder, check_destination
 from edgespec.export.eagle3 import HeadConfig, HeadTensors, is_eagle3_head, read_head_config
 from edgespec.export.eagle3_graph import export_head
-from edgespec.export.families import why_not_fused
+from edgespec.export.families import why_not_fused, widest_window
 from edgespec.export.fused import build_fused_graph
 from edgespec.export.graph import describe_graph, export_graph, load_model, meta_model
 from edgespec.export.memory import usage
@@ -56,7 +56,7 @@ from edgespec.manifest import CHAT_TEMPLATE_NAME, TOKENIZER_NAME, Manifest, Mode
 from edgespec.runtime.package_checks import tokenizer_fingerprint
 
 Progress = Callable[[str], None]
-VALIDATION_LENGTH = 32  # tokens compared against PyTorch
+VALIDATION_LENGTH = 32  # tokens compared against PyTorch (past the widest sliding window)
 
 
 def export_pair(
@@ -249,7 +249,7 @@ def _export_model(ckpt: Checkpoint, root: Path, role: str, variant: str, graph: 
         raise ExportError(f"draft_vocab needs edgespec's fused graph for the draft, and "
                           f"{reason or 'optimum was asked for'}; export without draft_vocab")
     ids = validation_ids(ckpt.tokenizer, ckpt.vocab_size,
-                         min(VALIDATION_LENGTH, ckpt.max_positions))
+                         min(VALIDATION_LENGTH + widest_window(ckpt.config), ckpt.max_positions))
     # int8 activations where the graph will compute with them: a quantized draft's (a GGUF
     # draft's blocks are quantized: its precision moves acceptance, never the output), and a
     # target's whose compute was fixed to int8 (the user's choice, stated in the manifest)

@@ -20,6 +20,11 @@ A recipe is a small JSON tree (the names: export/fused.py's ``_Recipes``):
     {"op": "zeros", "shape"}                               uint8 zeros
     {"op": "dequantize", "values", "scales", "minimums", "zero"}
                                   (values - zero) * scales (+ minimums), [N, K] float32
+    {"op": "rotary", "frequencies", "positions", "scale", "fn"}
+                                  fn(p * frequencies) * scale, [positions, F] float32
+
+The rotary tables (cos and sin at every position, 4 of 16 MB for Gemma 3's two rope bases over
+32,768 positions) are made here too: a GGUF package keeps its file's size.
 
 A package comes from anyone: every offset, length, shape and type is checked against the data
 file before anything is read or allocated, and a recipe is at most a few levels deep.
@@ -46,6 +51,10 @@ DATA_NAME = "model.onnx_data"
 _DTYPES = {"uint8": np.uint8, "int8": np.int8, "float16": np.float16, "float32": np.float32}
 _DEPTH = 6
 _GROWTH = 16  # a recipe makes at most this many bytes from a byte of the data file
+_ROTARY = {"cos": np.cos, "sin": np.sin}
+# rotary tables' own budget, whatever the data file's size: a small model's tables over a long
+# context (Gemma 3 4B's: 4 of 64 MB at 131,072 positions)
+_TABLE_BYTES = 1 << 28
 
 
 def inference_session(path: Path, options=None, providers=("CPUExecutionProvider",)):
@@ -120,12 +129,14 @@ def read(folder: Path) -> dict[str, np.ndarray]:
     out = {}
     with open(data_path, "rb") as f:  # read part by part: a memory map's pages would count
         data = _DataFile(f)  # as the process's memory until the last tensor made from it went
-        budget = _GROWTH * len(data)
+        budget = {"made": _GROWTH * len(data), "rotary": _TABLE_BYTES}
         for name, recipe in recipes.items():
             try:
                 value = _make(recipe, data, 0)
-                budget -= value.nbytes
-                if budget < 0:
+                kind = "rotary" if isinstance(recipe, dict) and recipe.get("op") == "rotary" \
+                    else "made"
+                budget[kind] -= value.nbytes
+                if budget[kind] < 0:
                     raise ValueError("its recipes make far more bytes than its data file holds")
             except (ValueError, TypeError, KeyError, IndexError, OSError) as e:
                 raise ManifestError(f"{path}: {name[:80]!r} cannot be made ({str(e)[:200]}); "
@@ -234,7 +245,23 @@ def _make(recipe: dict, data: _DataFile, depth: int) -> np.ndarray:
                 raise ValueError("minimums and scales differ in shape")
             w += lows[..., None]
         return w.reshape(len(w), -1)
+    if op == "rotary":
+        return _rotary(recipe, make("frequencies"))
     raise ValueError(f"unknown op {str(op)[:40]!r}")
+
+
+def _rotary(recipe: dict, frequencies: np.ndarray) -> np.ndarray:
+    """A rotary table [positions, F] as transformers' rotary embedding computes it: the angle
+    p * f a float32 product, its cos or sin (here in float64, rounded once), times the
+    module's attention scaling in float32."""
+    positions, fn = int(recipe["positions"]), _ROTARY[recipe["fn"]]
+    if frequencies.dtype != np.float32 or frequencies.ndim != 1:
+        raise ValueError("rotary frequencies must be a float32 vector")
+    _shape([positions, len(frequencies)], _TABLE_BYTES // 4)
+    angles = np.arange(positions, dtype=np.float32)[:, None] * frequencies  # [P, F]
+    table = fn(angles.astype(np.float64)).astype(np.float32)
+    table *= np.float32(float(recipe["scale"]))
+    return table
 
 
 def _shape(value, limit: int) -> tuple[int, ...]:
