@@ -514,7 +514,7 @@ def summarize_speculative(rows: list[dict], genai: dict | None = None) -> dict:
                     "tokens_per_s": row["decode_tokens_per_s"],
                     "speedup_vs_edgespec_none":
                         row["decode_tokens_per_s"] / every["edgespec_none"]["tokens_per_s"],
-                    "acceptance": row.get("acceptance")}
+                    "acceptance": row.get("acceptance_rate")}
         llama = max((k for k in every if k.startswith("llamacpp")),
                     key=lambda k: every[k]["tokens_per_s"])
         ours = max((k for k in every if not k.startswith(("llamacpp", "genai"))),
