@@ -165,6 +165,21 @@ def gpt2(vocab: int, hidden: int, layers: int, seed: int, init: float = 0.02, po
     return GPT2LMHeadModel(config).eval()
 
 
+def greedy_is_target_only(pipe, prompts, draft_length: int, drafter: str | None = None
+                          ) -> tuple[int, int]:
+    """Greedy output with drafting at a fixed ``draft_length`` (``drafter`` if given, else the
+    package's) equals target-only output on every prompt (24 tokens each); returns the tokens
+    (drafted, accepted) over all of them, for the caller to assert on."""
+    drafted = accepted = 0
+    for prompt in prompts:
+        baseline = pipe.generate(prompt, max_new_tokens=24, drafter="none").token_ids
+        result = pipe.generate(prompt, max_new_tokens=24, draft_length=draft_length,
+                               schedule="fixed", **({"drafter": drafter} if drafter else {}))
+        assert result.token_ids == baseline
+        drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
+    return drafted, accepted
+
+
 def noisy_copy(model, scale: float, seed: int):
     """The same model with every weight perturbed: a draft that agrees with it part of the time."""
     import copy

@@ -55,6 +55,10 @@ def _model(kind: str, seed: int, tied: bool, hidden: int = 64, rope_scaling: dic
     return model, bpe
 
 
+# prompts whose greedy continuations n-gram drafting can predict (tokens get drafted)
+NGRAM_PROMPTS = ("def add(a, b):\n    return a + b\ndef add(a, b):\n", "a b a b a b a b")
+
+
 def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied: bool = True,
                tokenizer: bool = True, architecture: str | None = None, hidden: int = 64,
                value_length: int | None = None, rope_scaling: dict | None = None) -> Path:
@@ -63,16 +67,7 @@ def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied
     as tokenizer.ggml.* metadata. K-quants (which gguf-py cannot make) are random blocks."""
     model, bpe = _model(kind, seed, tied, hidden, rope_scaling)
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), architecture or kind)
-    writer.add_name(f"tiny {kind}")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer = _writer(path, architecture or kind, cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_rope_dimension_count(head_dim)
     if kind == "qwen3":  # as llama.cpp's converter writes a config.json's head_dim
@@ -105,24 +100,48 @@ def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied
         qtype = types.get(base, "F32") if name.endswith("weight") and w.ndim == 2 else "F32"
         layer = int(short.split(".")[1]) if short.startswith("blk.") else None
         qtype = types.get(f"{base}.{layer}", qtype)
-        if qtype == "F32":
-            writer.add_tensor(short, np.ascontiguousarray(w, dtype=np.float32))
-        elif qtype == "F16":
-            writer.add_tensor(short, w.astype(np.float16))
-        elif qtype in K_QUANTS:
-            writer.add_tensor(short, _raw(qtype, *w.shape, seed=sum(map(ord, short))),
-                              raw_dtype=Q[qtype])
-        elif qtype == "Q8_K":  # no quantizer in gguf-py: one block of zeros (the shape is wrong)
-            writer.add_tensor(short, np.zeros((1, 292), np.uint8), raw_dtype=Q.Q8_K)
-        else:
-            writer.add_tensor(short, gguf.quants.quantize(w, Q[qtype]), raw_dtype=Q[qtype])
+        _add_tensor(writer, short, w, qtype)
     if rope_scaling:  # as llama.cpp's converter writes Llama 3's scaling
         writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(rope_scaling, cfg))
+    _finish(writer)
+    return path
+
+
+def _writer(path: Path, architecture: str, cfg):
+    """A GGUFWriter with the metadata every family's file holds, from ``cfg``."""
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name(f"tiny {architecture}")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    return writer
+
+
+def _add_tensor(writer, short: str, w: np.ndarray, qtype: str) -> None:
+    """``w`` as a GGUF tensor of ``qtype`` (K-quants, which gguf-py cannot make: random blocks)."""
+    if qtype == "F32":
+        writer.add_tensor(short, np.ascontiguousarray(w, dtype=np.float32))
+    elif qtype == "F16":
+        writer.add_tensor(short, w.astype(np.float16))
+    elif qtype in K_QUANTS:
+        writer.add_tensor(short, _raw(qtype, *w.shape, seed=sum(map(ord, short))),
+                          raw_dtype=Q[qtype])
+    elif qtype == "Q8_K":  # no quantizer in gguf-py: one block of zeros (the shape is wrong)
+        writer.add_tensor(short, np.zeros((1, 292), np.uint8), raw_dtype=Q.Q8_K)
+    else:
+        writer.add_tensor(short, gguf.quants.quantize(w, Q[qtype]), raw_dtype=Q[qtype])
+
+
+def _finish(writer) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def _llama_cpp_rope_freqs(scaling: dict, cfg) -> np.ndarray:
@@ -286,18 +305,9 @@ def write_gemma3_gguf(path: Path, types: dict[str, str], seed: int = 0, hidden: 
                    layer_types=kinds, head_dim=64, query_pre_attn_scalar=64, bos_token_id=2,
                    eos_token_id=1, pad_token_id=0)
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_name("tiny gemma3")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer = _writer(path, "gemma3", cfg)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_sliding_window(window)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
@@ -325,15 +335,6 @@ def write_gemma3_gguf(path: Path, types: dict[str, str], seed: int = 0, hidden: 
                  if module in _GEMMA_NORMS else _gguf_name(name))
         base = short.split(".")[-2] if short.startswith("blk.") else short.split(".")[0]
         qtype = types.get(base, "F32") if w.ndim == 2 else "F32"
-        if qtype == "F32":
-            writer.add_tensor(short, np.ascontiguousarray(w, dtype=np.float32))
-        elif qtype in K_QUANTS:
-            writer.add_tensor(short, _raw(qtype, *w.shape, seed=sum(map(ord, short))),
-                              raw_dtype=Q[qtype])
-        else:
-            writer.add_tensor(short, gguf.quants.quantize(w, Q[qtype]), raw_dtype=Q[qtype])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        _add_tensor(writer, short, w, qtype)
+    _finish(writer)
     return path, model

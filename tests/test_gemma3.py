@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import _hf_tokenizer, _save, _train_bpe, gemma3, noisy_copy
+from conftest import _hf_tokenizer, _save, _train_bpe, gemma3, greedy_is_target_only, noisy_copy
 from helpers import PROMPTS
 
 import edgespec
@@ -33,7 +33,7 @@ from edgespec.export.validate import reference_logits
 from edgespec.manifest import Manifest
 
 gguf = pytest.importorskip("gguf")
-from gguf_files import (GEMMA3, GEMMA_TEMPLATE, assert_compact, write_gemma3_gguf,  # noqa: E402
+from gguf_files import (GEMMA3, GEMMA_TEMPLATE, NGRAM_PROMPTS, assert_compact, write_gemma3_gguf,  # noqa: E402
                         write_gguf)
 
 WINDOW = 8
@@ -102,12 +102,7 @@ def test_the_layer_by_layer_reference_is_the_whole_model(checkpoints):
 def test_greedy_output_with_the_draft_is_target_only_output(pair):
     """Past the window (8 positions) within the first prompt already; k = 3 fixed."""
     pipe = edgespec.load(pair)
-    drafted = accepted = 0
-    for prompt in PROMPTS[:3]:
-        baseline = pipe.generate(prompt, max_new_tokens=24, drafter="none").token_ids
-        result = pipe.generate(prompt, max_new_tokens=24, draft_length=3, schedule="fixed")
-        assert result.token_ids == baseline
-        drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
+    drafted, accepted = greedy_is_target_only(pipe, PROMPTS[:3], 3)
     assert drafted > 0 and accepted > 0
 
 
@@ -197,13 +192,7 @@ def test_a_gguf_file_is_the_model_it_was_written_from(tmp_path):
 
 def test_greedy_output_with_ngram_drafting_is_target_only(gguf_package):
     pipe = edgespec.load(gguf_package)
-    drafted = 0
-    for prompt in ("def add(a, b):\n    return a + b\ndef add(a, b):\n", "a b a b a b a b"):
-        baseline = pipe.generate(prompt, max_new_tokens=24, drafter="none").token_ids
-        result = pipe.generate(prompt, max_new_tokens=24, draft_length=4, schedule="fixed",
-                               drafter="ngram")
-        assert result.token_ids == baseline
-        drafted += result.stats.drafted
+    drafted, _ = greedy_is_target_only(pipe, NGRAM_PROMPTS, 4, "ngram")
     assert drafted > 0
 
 

@@ -26,7 +26,8 @@ from edgespec.export import export_pair
 from edgespec.export.gguf_blocks import REPACKED, Packed, repack
 
 gguf = pytest.importorskip("gguf")
-from gguf_files import (LLAMA, LLAMA_K, LLAMA_Q4_0, Q, QWEN2, QWEN3, _model,  # noqa: E402
+from conftest import greedy_is_target_only  # noqa: E402
+from gguf_files import (NGRAM_PROMPTS, LLAMA, LLAMA_K, LLAMA_Q4_0, Q, QWEN2, QWEN3, _model,  # noqa: E402
                         _raw, assert_compact, write_gguf)
 
 
@@ -170,13 +171,7 @@ def _assert_one_transposed_table(path: Path) -> None:
 
 def _assert_ngram_greedy_is_target_only(pipe) -> None:
     """Greedy output with n-gram drafting (k = 4, fixed) is target-only output, tokens drafted."""
-    drafted = 0
-    for prompt in ("def add(a, b):\n    return a + b\ndef add(a, b):\n", "a b a b a b a b"):
-        baseline = pipe.generate(prompt, max_new_tokens=24, drafter="none").token_ids
-        result = pipe.generate(prompt, max_new_tokens=24, draft_length=4, schedule="fixed",
-                               drafter="ngram")
-        assert result.token_ids == baseline
-        drafted += result.stats.drafted
+    drafted, _ = greedy_is_target_only(pipe, NGRAM_PROMPTS, 4, "ngram")
     assert drafted > 0
 
 

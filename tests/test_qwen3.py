@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import _hf_tokenizer, _save, _train_bpe, noisy_copy, qwen3
+from conftest import _hf_tokenizer, _save, _train_bpe, greedy_is_target_only, noisy_copy, qwen3
 from helpers import PROMPTS
 
 import edgespec
@@ -82,12 +82,7 @@ def test_biases_and_yarn_scaling_pass_the_gate(checkpoints, tmp_path):
 @pytest.mark.parametrize("variant", ["fp32", "int4"])
 def test_greedy_output_with_the_draft_is_target_only_output(packages, variant):
     pipe = edgespec.load(packages[variant])
-    drafted = accepted = 0
-    for prompt in PROMPTS[:3]:
-        baseline = pipe.generate(prompt, max_new_tokens=24, drafter="none").token_ids
-        result = pipe.generate(prompt, max_new_tokens=24, draft_length=3, schedule="fixed")
-        assert result.token_ids == baseline
-        drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
+    drafted, accepted = greedy_is_target_only(pipe, PROMPTS[:3], 3)
     assert drafted > 0 and accepted > 0  # the draft proposed, and the target kept some
 
 
