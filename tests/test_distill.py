@@ -184,7 +184,8 @@ def test_distill_refuses_bad_arguments_before_torch_loads(tmp_path, case):
             f"    main(['distill', '--target', {str(target)!r}, '--out', {str(out)!r}])\n"
             "except SystemExit as e:\n"
             "    print('torch' in sys.modules, e.code)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
     assert proc.stdout.split() == ["False", "1"], proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     if case == "out":

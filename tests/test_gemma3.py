@@ -236,7 +236,8 @@ def test_an_unread_family_is_refused_at_once_naming_what_is_read(tmp_path):
     bad = write_gguf(tmp_path / "g2.gguf", "llama", {}, architecture="gemma2")
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "edgespec", "export", "--target", str(bad),
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True)
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=60)
     elapsed = time.perf_counter() - start
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr
