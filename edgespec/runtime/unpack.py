@@ -83,9 +83,8 @@ def release_unpacked(session, probe) -> int:
     ``probe()`` runs the graph and returns its outputs; the tensors are zeroed in place and it
     runs again. Outputs equal bit for bit mean nothing reads them, so they are dropped;
     otherwise they are made again in place and kept: all or none, so one tensor the probe sees
-    read keeps the rest too. Only for sessions on the CPU provider
-    alone: other providers may read weights later (TensorRT builds its engines at the first
-    run).
+    read keeps the rest too. Only for sessions on the CPU provider alone: other providers may
+    read weights later (TensorRT builds its engines at the first run).
     """
     made = getattr(session, "edgespec_unpacked", None)
     if not made or session.get_providers() != ["CPUExecutionProvider"] or \
