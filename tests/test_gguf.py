@@ -10,6 +10,8 @@ The real SmolLM2-135M-Instruct file is tested only where EDGESPEC_SMOLLM2_GGUF n
 
 from __future__ import annotations
 
+import json
+
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -187,18 +189,57 @@ def _logits(pipe, tokens=(5, 9, 2, 7, 11)) -> np.ndarray:
 
 
 def test_load_lets_go_of_the_tensors_it_made(packages, monkeypatch):
-    """The K-quant package's tensors made at load are dropped once onnxruntime holds its own
-    copies, and the logits are bit for bit those of a session that keeps them."""
+    """The K-quant package's tensors made at load are handed to onnxruntime in place; those it
+    packed (the marked weights and, for float compute, not the scales it reads) are dropped,
+    and the logits are bit for bit those of a session that keeps every tensor and of one that
+    gets them as copies (the path of packages without the location file)."""
+    import shutil
+
     from edgespec.runtime import unpack
 
     package = packages["llama_k"]
-    assert unpack.read(package / "target")
+    marks = {name: recipe.get("packed") for name, recipe in
+             json.loads((package / "target" / unpack.UNPACK_NAME).read_text()).items()}
+    assert (package / "target" / unpack.LOCATION).is_file()
+    assert "weights" in marks.values() and "scales" in marks.values()
     pipe = edgespec.load(package)
-    assert pipe.target.session.edgespec_unpacked == {}
+    left = pipe.target.session.edgespec_unpacked
+    assert not any(marks[name] == "weights" for name in left)  # packed as the session loaded
+    assert set(left) <= {name for name, mark in marks.items() if mark != "weights"}
+    copies = package.parent / "copies"
+    shutil.copytree(package, copies)
+    (copies / "target" / unpack.LOCATION).unlink()
+    copied = edgespec.load(copies)
+    assert copied.target.session.edgespec_unpacked == {}  # onnxruntime holds its own copies
     monkeypatch.setattr(unpack, "release_unpacked", lambda session, probe: 0)
     kept = edgespec.load(package)
-    assert kept.target.session.edgespec_unpacked
+    assert set(kept.target.session.edgespec_unpacked) == set(marks)
     np.testing.assert_array_equal(_logits(pipe), _logits(kept))
+    np.testing.assert_array_equal(_logits(pipe), _logits(copied))
+
+
+def test_a_tensor_a_run_reads_marked_as_packed_is_kept(packages, tmp_path):
+    """The wrong variant of the export's marks: the tensors runs read (the tied table a gather
+    reads, the rotary tables) marked as packed weights. The probe sees the run read them: the
+    group is kept as it was, and the logits equal the true marks' bit for bit."""
+    import shutil
+
+    from edgespec.runtime import unpack
+
+    wrong = tmp_path / "wrong"
+    shutil.copytree(packages["llama_k"], wrong)
+    path = wrong / "target" / unpack.UNPACK_NAME
+    recipes = json.loads(path.read_text())
+    gathered = [name for name, recipe in recipes.items() if not recipe.get("packed")]
+    assert "lm_head.folded" in gathered
+    for name in gathered:
+        recipes[name]["packed"] = "weights"
+    path.write_text(json.dumps(recipes))
+    pipe = edgespec.load(wrong)
+    left = pipe.target.session.edgespec_unpacked
+    assert set(gathered) <= set(left)  # their group kept, remade in place
+    assert {recipes[name].get("packed") for name in left} >= {"weights"}
+    np.testing.assert_array_equal(_logits(pipe), _logits(edgespec.load(packages["llama_k"])))
 
 
 def test_a_gguf_pair_quantized_draft_is_exact(files, tmp_path):

@@ -128,9 +128,11 @@ def test_rotary_tables_have_a_budget_of_their_own(tmp_path):
 class _Session:
     """What release_unpacked sees of an onnxruntime session."""
 
-    def __init__(self, folder, provider="CPUExecutionProvider"):
+    def __init__(self, folder, provider="CPUExecutionProvider", groups=None):
         self.edgespec_unpacked, self.edgespec_folder = unpack.read(folder), folder
         self.provider = provider
+        if groups is not None:  # handed over in place, grouped as the export marked them
+            self.edgespec_groups = groups
 
     def get_providers(self):
         return [self.provider]
@@ -164,3 +166,49 @@ def test_tensors_of_other_providers_are_kept(tmp_path):
     session = _Session(_two_tensors(tmp_path), "TensorrtExecutionProvider")
     assert unpack.release_unpacked(session, lambda: [np.ones(3)]) == 0
     assert set(session.edgespec_unpacked) == {"a", "b"}
+
+
+def test_in_place_groups_are_let_go_one_by_one(tmp_path):
+    """Tensors handed over in place: a group nothing reads goes, a group a run reads is made
+    again in place and kept, and a tensor in no group (read at every run) is never zeroed."""
+    folder = _folder(tmp_path, {"a": _part(0, [4, 8]), "b": _part(32, [2, 4], "float32"),
+                                "c": _part(64, [8])})
+    session = _Session(folder, groups=[["a"], ["b"]])
+    made = session.edgespec_unpacked
+    reads = lambda: [made["b"].sum(), made["c"].sum()]  # noqa: E731
+    assert unpack.release_unpacked(session, reads) == 32
+    assert set(made) == {"b", "c"}
+    for name, array in unpack.read(folder, ["b", "c"]).items():
+        np.testing.assert_array_equal(made[name], array)
+
+
+def test_the_export_marks_what_packing_kernels_alone_read():
+    """MatMulNBits' weights and MatMul's right-hand side are "weights", MatMulNBits' scales
+    and zero points "scales" and "zero_points"; a tensor a gather also reads, or that feeds a
+    MatMul's left side, is not marked."""
+    from onnx import helper
+
+    from edgespec.export.onnx_io import WeightStore
+
+    store = WeightStore.__new__(WeightStore)
+    store.recipes = {name: {"op": "zeros", "shape": [1]} for name in "wszmtgl"}
+    store.mark_packed([
+        helper.make_node("MatMulNBits", ["x", "w", "s", "z"], ["y"]),
+        helper.make_node("MatMul", ["x", "m"], ["y1"]),
+        helper.make_node("MatMulNBits", ["x", "t", "g"], ["y2"]),
+        helper.make_node("GatherBlockQuantized", ["t", "i", "g"], ["e"]),
+        helper.make_node("MatMul", ["l", "m"], ["y3"]),
+    ])
+    marks = {name: recipe.get("packed") for name, recipe in store.recipes.items()}
+    assert marks == {"w": "weights", "s": "scales", "z": "zero_points", "m": "weights",
+                     "t": None, "g": None, "l": None}
+
+
+def test_a_read_of_zeros_is_seen(tmp_path):
+    """Zero points are zeros: a probe that reads a tensor of zeros sees it read (its bits are
+    flipped, not zeroed), and the tensor is kept as it was."""
+    folder = _folder(tmp_path, {"zeros": {"op": "zeros", "shape": [4, 4]}})
+    session = _Session(folder)
+    made = session.edgespec_unpacked
+    assert unpack.release_unpacked(session, lambda: [made["zeros"].sum()]) == 0
+    np.testing.assert_array_equal(made["zeros"], np.zeros((4, 4), np.uint8))

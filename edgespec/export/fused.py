@@ -117,6 +117,7 @@ def build_fused_graph(model: PreTrainedModel, tensors, folder: Path, keep_precis
                            token_ids=token_ids, progress=progress or (lambda line: None),
                            eagle_fc=eagle_fc, block_size=block_size)
         graph = builder.build()
+        store.mark_packed(builder.nodes)
     write_graph(graph, folder, [("", _OPSET), (_MS, 1)])
     return store.counts
 

@@ -52,6 +52,27 @@ class WeightStore:
             self._data.close()
         if self.recipes and exc[0] is None:
             (self.folder / UNPACK_NAME).write_text(json.dumps(self.recipes) + "\n")
+            # onnxruntime checks that an external location exists even for initializers the
+            # session is handed in place (runtime/unpack.py): an empty file under that name
+            (self.folder / LOCATION).write_bytes(b"")
+
+    def mark_packed(self, nodes) -> None:
+        """Mark the made tensors that only kernels which pack their weights as the session
+        loads read (recipe key ``"packed"``, one of runtime/unpack.py's ``GROUPS``: it hands
+        them over in place and lets go of the groups no run reads): ``"weights"`` for
+        MatMulNBits' weights and MatMul's right-hand side, ``"scales"`` and ``"zero_points"``
+        for MatMulNBits' (packed with the weights by int8 compute, read at every run by float
+        compute)."""
+        kinds = {("MatMulNBits", 1): "weights", ("MatMul", 1): "weights",
+                 ("MatMulNBits", 2): "scales", ("MatMulNBits", 3): "zero_points"}
+        readers: dict[str, set] = {}
+        for node in nodes:
+            for slot, name in enumerate(node.input):
+                if name in self.recipes:
+                    readers.setdefault(name, set()).add(kinds.get((node.op_type, slot)))
+        for name, seen in readers.items():
+            if len(seen) == 1 and None not in seen:
+                self.recipes[name]["packed"] = seen.pop()
 
     def add_unpacked(self, name: str, recipe: dict, dtype, shape: tuple[int, ...]) -> str:
         """A tensor made when the graph loads (runtime/unpack.py) from ``recipe``, whose
