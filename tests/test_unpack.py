@@ -212,3 +212,19 @@ def test_a_read_of_zeros_is_seen(tmp_path):
     made = session.edgespec_unpacked
     assert unpack.release_unpacked(session, lambda: [made["zeros"].sum()]) == 0
     np.testing.assert_array_equal(made["zeros"], np.zeros((4, 4), np.uint8))
+
+
+def test_only_an_empty_location_file_hands_tensors_over_in_place(tmp_path):
+    """The location file must be the export's empty one: a link (to a file of anyone's) or a
+    file with bytes in it falls back to copies."""
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"")
+    location = tmp_path / unpack.LOCATION
+    assert not unpack._empty_file(location)
+    location.write_bytes(b"")
+    assert unpack._empty_file(location)
+    location.write_bytes(b"x")
+    assert not unpack._empty_file(location)
+    location.unlink()
+    location.symlink_to(target)
+    assert not unpack._empty_file(location)

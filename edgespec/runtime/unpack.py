@@ -80,7 +80,7 @@ def inference_session(path: Path, options=None, providers=("CPUExecutionProvider
     options = options or ort.SessionOptions()
     values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in made.items()}
     in_place = bool(made) and list(providers) == ["CPUExecutionProvider"] and \
-        (folder / LOCATION).is_file()
+        _empty_file(folder / LOCATION)
     if in_place:
         for name, value in values.items():
             options.add_initializer(name, value)
@@ -92,6 +92,12 @@ def inference_session(path: Path, options=None, providers=("CPUExecutionProvider
     session.edgespec_groups = _groups(folder, made) if in_place else [list(made)]
     session.edgespec_folder = folder
     return session
+
+
+def _empty_file(path: Path) -> bool:
+    """Whether ``path`` is the export's empty location file (not a link: a package comes from
+    anyone, and onnxruntime reads that location for any initializer declared there)."""
+    return path.is_file() and not path.is_symlink() and path.stat().st_size == 0
 
 
 def _groups(folder: Path, made: dict) -> list[list[str]]:
