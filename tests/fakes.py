@@ -49,12 +49,12 @@ class PrefixSession:
         base = self.like.row(prefix) if self.like else 0.0  # a draft near its target
         return (base + own).astype(np.float32)
 
-    def forward(self, tokens: np.ndarray, cache: FakeCache) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, cache: FakeCache, keep: int = 0) -> np.ndarray:
         rows = []
         for t in tokens.tolist():
             cache.tokens.append(t)
             rows.append(self.row(tuple(cache.tokens)))
-        return np.stack(rows)
+        return np.stack(rows[-keep:] if keep else rows)
 
 
 class RandomSchedule:

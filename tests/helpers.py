@@ -117,13 +117,14 @@ def recorded_target_rows(pipe) -> Iterator[dict[tuple, list[np.ndarray]]]:
     text: list[int] = []  # the tokens the cache holds, as fed
     forward = pipe.target.forward
 
-    def recording(tokens, cache):
+    def recording(tokens, cache, keep=0):
         start = cache.length
         del text[start:]
         text.extend(int(t) for t in tokens)
-        logits = forward(tokens, cache)
+        logits = forward(tokens, cache, keep=keep)
+        first = start + len(tokens) - len(logits)  # a run keeping its last rows only
         for i, row in enumerate(logits):
-            rows.setdefault(tuple(text[: start + i + 1]), []).append(row.copy())
+            rows.setdefault(tuple(text[: first + i + 1]), []).append(row.copy())
         return logits
 
     pipe.target.forward = recording

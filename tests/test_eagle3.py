@@ -88,6 +88,7 @@ def test_target_graph_outputs_fc_of_the_aux_streams(target, head, tmp_path):
     import onnxruntime as ort
 
     from edgespec.export.fused import EAGLE_FEATURES, build_fused_graph
+    from edgespec.runtime.session import LOGITS_TO_KEEP
 
     model, _ = target
     config, tensors, reference = head
@@ -95,7 +96,8 @@ def test_target_graph_outputs_fc_of_the_aux_streams(target, head, tmp_path):
                       eagle_fc=(config.aux_layers, tensors.read("fc.weight")))
     session = ort.InferenceSession(str(tmp_path / "t" / "model.onnx"))
     ids, features = _inputs(model, config)
-    feeds = {"input_ids": ids.numpy(), "attention_mask": np.ones((1, SEQ), np.int64)}
+    feeds = {"input_ids": ids.numpy(), "attention_mask": np.ones((1, SEQ), np.int64),
+             LOGITS_TO_KEEP: np.zeros(1, np.int64)}
     for arg in session.get_inputs():
         if arg.name.startswith("past_key_values"):
             feeds[arg.name] = np.zeros((1, 2, 0, 16), np.float32)

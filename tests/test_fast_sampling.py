@@ -437,9 +437,9 @@ class CountingSession(PrefixSession):
 
     fed = 0
 
-    def forward(self, tokens: np.ndarray, cache) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, cache, keep: int = 0) -> np.ndarray:
         self.fed += len(tokens)
-        return super().forward(tokens, cache)
+        return super().forward(tokens, cache, keep)
 
 
 @pytest.mark.parametrize("setting", SAMPLED_AND_PENALIZED)

@@ -8,7 +8,7 @@ import pytest
 
 import edgespec
 from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
-from edgespec.runtime.session import ModelSession
+from edgespec.runtime.session import LOGITS_TO_KEEP, ModelSession
 
 
 def filled_cache(length: int) -> KVCache:
@@ -145,6 +145,7 @@ def plain_in_place_run(session: ModelSession, tokens: np.ndarray, cache: InPlace
     binding.bind_output("logits", "cpu")
     binding.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64)[None, :])
     binding.bind_cpu_input("attention_mask", np.ones((1, start + n), dtype=np.int64))
+    binding.bind_cpu_input(LOGITS_TO_KEEP, np.zeros(1, np.int64))  # every row
     for past, present, buffer in zip(session.kv_inputs, session.kv_outputs, cache.buffers):
         binding.bind_ortvalue_input(past, buffer)
         binding.bind_ortvalue_output(present, buffer)

@@ -219,11 +219,11 @@ def test_a_failed_generation_keeps_nothing(pairs, monkeypatch):
     assert len(reusing.prefix_cache) == 1
     calls = []
 
-    def failing(tokens, cache):
+    def failing(tokens, cache, keep=0):
         calls.append(len(tokens))
         if len(calls) == 2:  # the first round, after the prefill moved the caches on
             raise RuntimeError("a run failed")
-        return type(reusing.target).forward(reusing.target, tokens, cache)
+        return type(reusing.target).forward(reusing.target, tokens, cache, keep=keep)
 
     monkeypatch.setattr(reusing.target, "forward", failing)
     with pytest.raises(RuntimeError, match="a run failed"):

@@ -325,3 +325,46 @@ def test_stream_yields_the_text_in_pieces(pipes):
                                                draft_length=3).text
     assert all(pieces)
 
+
+
+def test_a_prefill_scores_one_row_and_a_run_after_it_all_of_them(packages):
+    """A fused graph scores only the rows asked for (LOGITS_TO_KEEP): a prefill, whose logits
+    go unread, gets one row, the same as the last of a run scoring all; the run after it
+    scores every row again (the input is fed at every run: an IO binding would otherwise keep
+    the prefill's 1). Then a generation prefills with one row and decodes as before."""
+    from edgespec.runtime import session as session_module
+
+    pipe = edgespec.load(packages["llama"], calibration_cache=False)
+    target = pipe.target
+    assert target.keeps_rows
+    tokens = np.arange(3, 12)
+    one = target.forward(tokens, target.new_cache(16), keep=1)
+    cache = target.new_cache(16)
+    every = target.forward(tokens, cache)
+    assert one.shape == (1, every.shape[1]) and every.shape[0] == len(tokens)
+    np.testing.assert_allclose(one[0], every[-1], rtol=0, atol=1e-5)
+    after_one = target.new_cache(16)
+    target.forward(tokens[:5], after_one, keep=1)
+    rest = target.forward(tokens[5:], after_one)
+    assert rest.shape == every[5:].shape
+    np.testing.assert_allclose(rest, every[5:], rtol=0, atol=1e-5)
+
+    scored = []
+    run = session_module.ModelSession._run
+
+    def spy(self, tokens, cache, features, keep=0):
+        logits, rows = run(self, tokens, cache, features, keep)
+        scored.append((self is pipe.target, len(tokens), len(logits)))
+        return logits, rows
+
+    session_module.ModelSession._run = spy
+    try:
+        prompt = "def add(a, b):\n    return"
+        result = pipe.generate(prompt, max_new_tokens=8, temperature=0.0, drafter="model",
+                               draft_length=2, schedule="fixed", ignore_eos=True)
+    finally:
+        session_module.ModelSession._run = run
+    prefill = next(s for s in scored if s[0])
+    assert prefill[1] == result.stats.prompt_tokens - 1 > 1 and prefill[2] == 1
+    assert any(s[0] and s[2] == s[1] > 1 for s in scored)  # verification scores every row
+    assert result.stats.drafted > 0

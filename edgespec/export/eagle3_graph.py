@@ -218,11 +218,13 @@ def export_head(config: HeadConfig, target_tensors, root: Path, variant: str, va
 
 def target_features(path: Path, ids: np.ndarray) -> np.ndarray:
     """A fused target graph's eagle_features ``[s, h]`` for ``ids`` ``[s]`` (one run)."""
+    from edgespec.runtime.session import LOGITS_TO_KEEP
     from edgespec.runtime.unpack import inference_session
 
     session = inference_session(path)  # a GGUF target's blocks are made at load
     feeds = {"input_ids": ids[None].astype(np.int64),
-             "attention_mask": np.ones((1, len(ids)), np.int64)}
+             "attention_mask": np.ones((1, len(ids)), np.int64),
+             LOGITS_TO_KEEP: np.ones(1, np.int64)}  # the features only: one row of logits
     for arg in session.get_inputs():
         if arg.name.startswith("past_key_values."):
             feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)

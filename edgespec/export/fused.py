@@ -54,6 +54,7 @@ from edgespec.export.memory import trim
 from edgespec.export.onnx_io import EXTERNAL_ABOVE, WeightStore, write_graph
 from edgespec.export.precision import INT8_COMPUTE, QUANT_BLOCK_SIZE, quantize_blocks
 from edgespec.runtime.session import FEATURES as EAGLE_FEATURES  # an EAGLE-3 head's input
+from edgespec.runtime.session import LOGITS_TO_KEEP
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"  # the checkpoint's names
 ONES_BYTES = 1 << 20  # block sums by a MatMul with ones up to this size of ones, else ReduceSum
@@ -418,17 +419,18 @@ class _Builder:
             self.progress(f"layer {i + 1}/{layers} written: {self.store.written / 2**20:,.0f} MB, "
                           f"{time.perf_counter() - start:.0f} s")
         normed, _ = self.skip_norm("final_norm", x, residual, "model.norm.weight")
-        self.lm_head(normed, table)
+        self.lm_head(self.last_rows(normed), table)
         if self.eagle_fc is not None:
             self.eagle_features(streams)
 
         inputs = [
             helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "sequence_length"]),
             helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, "total_length"]),
+            helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, [1]),
         ]
         rows = cfg.vocab_size if self.token_ids is None else len(self.token_ids)
         outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
-                                                 [1, "sequence_length", rows])]
+                                                 [1, "scored_length", rows])]
         if self.eagle_fc is not None:
             outputs.append(helper.make_tensor_value_info(
                 EAGLE_FEATURES, TensorProto.FLOAT, [1, "sequence_length", cfg.hidden_size]))
@@ -441,6 +443,14 @@ class _Builder:
                     f"present.{i}.{kind}", TensorProto.FLOAT, [1, kv_heads, "present_length", head_dim]))
         return helper.make_graph(self.nodes, "edgespec_fused_decoder", inputs, outputs,
                                  self.store.initializers)
+
+    def last_rows(self, x: str) -> str:
+        """x's last LOGITS_TO_KEEP rows (a graph input; 0: Slice from -0 keeps every row), the
+        rows the output layer scores."""
+        (start,) = self.node("Neg", [LOGITS_TO_KEEP])
+        (out,) = self.node("Slice", [x, start, self.constant("int64_max", np.array(
+            [np.iinfo(np.int64).max])), self.constant("axis_1", np.array([1]))])
+        return out
 
     def eagle_features(self, streams: list[str]) -> None:
         """eagle_features = fc(cat(streams[a], streams[b], streams[c])) for the head's aux

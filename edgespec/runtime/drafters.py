@@ -141,7 +141,7 @@ class ModelDrafter(Drafter):
 
     def prefill(self, prompt: list[int]) -> None:
         if len(prompt) - 1 > self.cache.length:
-            self.session.forward(np.array(prompt[self.cache.length : -1]), self.cache)
+            self.session.forward(np.array(prompt[self.cache.length : -1]), self.cache, keep=1)
 
     @property
     def nbytes(self) -> int:
@@ -151,7 +151,7 @@ class ModelDrafter(Drafter):
                  sampling: SamplingConfig, penalties: Penalties | None = None) -> Dist:
         start = time.perf_counter()
         fed = np.array(tokens_from(committed, drafted, self.cache.length))
-        logits = self.session.forward(fed, self.cache)[-1]  # [V], or [N] for a subset draft
+        logits = self.session.forward(fed, self.cache, keep=1)[-1]  # [V], or [N] for a subset draft
         middle = time.perf_counter()
         if penalties is not None:
             logits = penalties.row(logits, committed, drafted, self.session.token_ids)

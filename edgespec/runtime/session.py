@@ -20,6 +20,9 @@ INITIAL_POSITIONS = 256  # an in-place cache's first size when no request length
 # states) for every row it runs; the head reads them as its input of that name and outputs
 # HIDDEN_OUT, which it reads back as FEATURES for the rows it drafts on its own
 FEATURES, HIDDEN_OUT = "eagle_features", "hidden_out"
+# a fused graph's input: score only the run's last rows (int64 [1]; 0: all of them): a
+# prefill's logits are thrown away, and a 2,048-token prompt's are 1.2 GB at 152k tokens
+LOGITS_TO_KEEP = "logits_to_keep"
 
 
 class ModelSession:
@@ -85,6 +88,7 @@ class ModelSession:
         self.kv_dtype = _ORT_DTYPES[first.type]
         self.has_position_ids = "position_ids" in inputs
         self.has_attention_mask = "attention_mask" in inputs
+        self.keeps_rows = LOGITS_TO_KEEP in inputs
         self._ones = np.ones((1, 0), np.int64)  # the attention mask: every position attended
         # an EAGLE-3 head reads feature rows; a target paired with one, or a head, outputs them
         self.reads_features = FEATURES in inputs
@@ -102,16 +106,20 @@ class ModelSession:
                                   self.max_positions, self.kv_dtype, self.device)
         return KVCache(self.kv_inputs, self.kv_heads, self.head_dim, self.kv_dtype)
 
-    def forward(self, tokens: np.ndarray, cache: KVCache | InPlaceKVCache) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, cache: KVCache | InPlaceKVCache, keep: int = 0
+                ) -> np.ndarray:
         """Run ``tokens [n]`` after what the cache covers; returns logits ``[n, vocab]``
-        (``forward_rows``' logits)."""
-        return self.forward_rows(tokens, cache)[0]
+        (``forward_rows``' logits; the last ``keep`` rows if given)."""
+        return self.forward_rows(tokens, cache, keep=keep)[0]
 
     def forward_rows(self, tokens: np.ndarray, cache: KVCache | InPlaceKVCache,
-                     features: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                     features: np.ndarray | None = None, keep: int = 0
+                     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Run ``tokens [n]`` after what the cache covers; returns (logits ``[n, vocab]``, the
         graph's feature rows ``[n, h]``: FEATURES of a target paired with an EAGLE-3 head,
         HIDDEN_OUT of a head, None for other graphs). ``features [n, h]``: a head's input.
+        ``keep`` > 0: the logits of the last ``keep`` rows only (fewer rows scored where the
+        graph takes LOGITS_TO_KEEP; a prefill, whose logits go unread, keeps one).
 
         position_ids and attention_mask are derived from the cache length; the cache then
         covers the fed tokens too. A run shorter than the graph's ``min_run_tokens`` carries
@@ -126,22 +134,29 @@ class ModelSession:
             raise CacheError(f"{n} tokens fed with {'no' if features is None else len(features)}"
                              f" feature rows to a graph that reads "
                              f"{'them' if self.reads_features else 'none'}")
+        keep = min(max(int(keep), 0), n)
         pad = min(self.min_run_tokens - n, self.max_positions - cache.length - n)
         if pad > 0:
             tokens = np.concatenate([tokens, np.repeat(np.asarray(tokens)[-1:], pad)])
             if features is not None:
                 features = np.concatenate([features, np.repeat(features[-1:], pad, axis=0)])
-            logits, rows = self._run(tokens, cache, features)
+            logits, rows = self._run(tokens, cache, features, keep + pad if keep else 0)
             cache.crop(cache.length - pad)
-            return logits[:n], None if rows is None else rows[:n]
-        return self._run(tokens, cache, features)
+            logits, rows = logits[: len(logits) - pad], None if rows is None else rows[:n]
+        else:
+            logits, rows = self._run(tokens, cache, features, keep)
+        return (logits[-keep:] if keep else logits), rows
 
     def _run(self, tokens: np.ndarray, cache: KVCache | InPlaceKVCache,
-             features: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+             features: np.ndarray | None, keep: int = 0
+             ) -> tuple[np.ndarray, np.ndarray | None]:
         """One session run on ``tokens [n]`` (and ``features [n, h]``) after the cache;
-        (logits ``[n, vocab]``, feature rows ``[n, h]`` or None)."""
+        (logits ``[n, vocab]``, or of the last ``keep`` rows where the graph scores only those,
+        feature rows ``[n, h]`` or None)."""
         start, n = cache.length, len(tokens)
         feeds = {"input_ids": np.asarray(tokens, dtype=np.int64)[None, :]}
+        if self.keeps_rows:  # fed at every run: a binding would keep the last run's value
+            feeds[LOGITS_TO_KEEP] = np.array([keep], np.int64)
         if features is not None:
             feeds[FEATURES] = np.ascontiguousarray(features, dtype=np.float32)[None]
         if self.has_attention_mask:  # a view of one buffer: no allocation that grows with the text

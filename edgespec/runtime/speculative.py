@@ -50,15 +50,16 @@ class TargetRunner:
         """An empty cache with room for ``positions`` tokens to start with (it grows if needed)."""
         return cls(session, session.new_cache(positions), stats)
 
-    def run(self, committed: list[int], extra: Sequence[int] = ()) -> np.ndarray:
-        """Feed the committed tokens the cache lacks, then ``extra``; logits ``[n, V]``."""
+    def run(self, committed: list[int], extra: Sequence[int] = (), keep: int = 0) -> np.ndarray:
+        """Feed the committed tokens the cache lacks, then ``extra``; logits ``[n, V]`` (of the
+        last ``keep`` rows if given: a prefill keeps one)."""
         start = time.perf_counter()
         first = self.cache.length
         tokens = np.array([*committed[first:], *extra])
         if getattr(self.session, "row_output", None) is None:  # no rows: all but EAGLE-3 targets
-            logits = self.session.forward(tokens, self.cache)
+            logits = self.session.forward(tokens, self.cache, keep=keep)
         else:
-            logits, rows = self.session.forward_rows(tokens, self.cache)
+            logits, rows = self.session.forward_rows(tokens, self.cache, keep=keep)
             if self.drafter is not None:
                 self.drafter.target_features(first, rows)
         if self.stats is not None:
@@ -267,7 +268,7 @@ def _prefill(target: ModelSession, drafter: Drafter, prompt: list[int], position
     target_runner.drafter = drafter
     with _timed(stats, "prefill_s"):
         if len(prompt) - 1 > target_runner.cache.length:
-            target_runner.run(prompt[:-1])
+            target_runner.run(prompt[:-1], keep=1)  # its logits go unread
         drafter.prefill(prompt)
     target_runner.stats = stats
     return target_runner
