@@ -16,7 +16,8 @@ from edgespec.errors import ManifestError
 MANIFEST_NAME = "edgespec.json"
 PROMPTS_NAME = "prompts.jsonl"  # optional: prompts for `edgespec bench`, JSON Lines of strings
 REPORT_NAME = "training_report.json"  # optional: how the pair was trained (the demo pair)
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a fused graph takes logits_to_keep, which edgespec before it never fed
+READ_VERSIONS = (1, 2)  # a package of version 1 still loads (its graphs score every row)
 TOKENIZER_NAME = "tokenizer.json"
 CHAT_TEMPLATE_NAME = "chat_template.jinja"  # optional: the target tokenizer's chat template
 # Everything an export (or the demo recipe) writes into a package folder: --overwrite replaces
@@ -124,10 +125,14 @@ class Manifest:
         if not isinstance(raw, dict):
             raise ManifestError(f"{path} is corrupt (not a JSON object); re-export the pair")
         version = raw.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READ_VERSIONS or isinstance(version, bool):
+            newer = isinstance(version, int) and not isinstance(version, bool) and \
+                version > FORMAT_VERSION
             raise ManifestError(
-                f"{path} has format version {version}, this edgespec reads {FORMAT_VERSION}; "
-                "re-export the pair with this version"
+                f"{path} has format version {str(version)[:20]}, this edgespec reads "
+                f"{' and '.join(map(str, READ_VERSIONS))}; "
+                + ("upgrade edgespec (pip install -U edgespec)" if newer else
+                   "re-export the pair with this version")
             )
         _check_fields(path, raw, MANIFEST_FIELDS, cls)
         roles = ("target", "draft") if raw["draft"] is not None else ("target",)

@@ -16,14 +16,14 @@ from conftest import _hf_tokenizer, _save, _train_bpe, llama
 
 from edgespec.errors import ExportError, IncompatiblePairError
 from edgespec.export import export_pair, validate
-from edgespec.manifest import Manifest
+from edgespec.manifest import FORMAT_VERSION, Manifest
 from edgespec.export.precision import INT8_COMPUTE
 from edgespec.export.validate import CONSISTENCY, DRAFT_CONSISTENCY
 
 
 def test_manifest_describes_both_graphs(packages, checkpoints):
     manifest = Manifest.read(packages["llama"])
-    assert manifest.format_version == 1 and manifest.edgespec_version
+    assert manifest.format_version == FORMAT_VERSION == 2 and manifest.edgespec_version
     for spec, layers in ((manifest.target, 2), (manifest.draft, 1)):
         assert spec.architecture == "llama"
         assert spec.layers == layers and spec.kv_heads == 2

@@ -136,6 +136,23 @@ def test_a_manifest_that_is_not_an_object_is_refused(packages, tmp_path):
         Manifest.read(pkg)
 
 
+@pytest.mark.parametrize("version,match", [
+    (3, "format version 3, this edgespec reads 1 and 2; upgrade edgespec"),
+    (0, "format version 0, .*re-export the pair"),
+    (True, "format version True, .*re-export the pair"),
+    ("2", "format version 2, .*re-export the pair"),
+])
+def test_a_format_version_it_cannot_read_is_one_line(packages, tmp_path, version, match):
+    """Version 1 (graphs that score every row) and 2 are read; a newer package asks for a newer
+    edgespec, anything else for a new export."""
+    pkg = copy_package(packages, tmp_path)
+    edit_manifest(pkg, setter("format_version", version))
+    with pytest.raises(ManifestError, match=match):
+        Manifest.read(pkg)
+    edit_manifest(pkg, setter("format_version", 1))
+    assert Manifest.read(pkg).format_version == 1
+
+
 def test_real_packages_still_read(packages):
     for pkg in [demo_package(), *packages.values()]:
         manifest = Manifest.read(pkg)
