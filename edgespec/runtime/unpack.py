@@ -165,15 +165,12 @@ def give_back_freed_memory() -> None:
         pass
 
 
-def read(folder: Path, names: list[str] | None = None) -> dict[str, np.ndarray]:
-    """The tensors ``folder/UNPACK_NAME`` describes (only ``names`` if given), by initializer
-    name ({} without one)."""
+def read(folder: Path) -> dict[str, np.ndarray]:
+    """The tensors ``folder/UNPACK_NAME`` describes, by initializer name ({} without one)."""
     path = Path(folder) / UNPACK_NAME
     if not path.is_file():
         return {}
     recipes = _recipes(path)
-    if names is not None:
-        recipes = {name: recipes[name] for name in names if name in recipes}
     data_path = Path(folder) / DATA_NAME
     if not data_path.is_file() or data_path.is_symlink():
         raise ManifestError(f"{path} needs {data_path}, which is missing; re-export the pair")
