@@ -67,14 +67,15 @@ class FakeSession:
     def new_cache(self, positions: int | None = None) -> FakeCache:
         return FakeCache(CONTEXT - 1)
 
-    def forward(self, tokens: np.ndarray, cache: FakeCache) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, cache: FakeCache, keep: int = 0) -> np.ndarray:
         start = cache.length - (CONTEXT - 1)
         cache.length += len(tokens)
-        return self.rows[start : start + len(tokens)].copy()  # fresh, as onnxruntime's output
+        rows = self.rows[start : start + len(tokens)]
+        return (rows[-keep:] if keep else rows).copy()  # fresh, as onnxruntime's output
 
-    def forward_rows(self, tokens: np.ndarray, cache: FakeCache, features=None):
+    def forward_rows(self, tokens: np.ndarray, cache: FakeCache, features=None, keep: int = 0):
         """ModelSession's: (logits, None), a graph without feature rows (TargetRunner's call)."""
-        return self.forward(tokens, cache), None
+        return self.forward(tokens, cache, keep), None
 
 
 def make_rows(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
