@@ -175,9 +175,15 @@ def test_in_place_groups_are_let_go_one_by_one(tmp_path):
                                 "c": _part(64, [8])})
     session = _Session(folder, groups=[["a"], ["b"]])
     made = session.edgespec_unpacked
-    reads = lambda: [made["b"].sum(), made["c"].sum()]  # noqa: E731
+    runs = []
+    reads = lambda: runs.append(1) or [made["b"].sum(), made["c"].sum()]  # noqa: E731
     assert unpack.release_unpacked(session, reads) == 32
     assert set(made) == {"b", "c"}
+    assert len(runs) == 4  # before, both groups at once, then each
+    unread = _Session(folder, groups=[["a"], ["b"]])
+    runs.clear()
+    assert unpack.release_unpacked(unread, lambda: runs.append(1) or [np.ones(2)]) == 64
+    assert unread.edgespec_unpacked == {"c": unread.edgespec_unpacked["c"]} and len(runs) == 2
     fresh = unpack.read(folder)
     for name in ("b", "c"):
         np.testing.assert_array_equal(made[name], fresh[name])

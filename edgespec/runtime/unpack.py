@@ -119,7 +119,8 @@ def release_unpacked(session, probe) -> int:
     and a read of them would not show). Outputs equal bit for bit mean nothing reads the
     group, so it is dropped; otherwise its bits are flipped back and it is kept: one tensor the
     probe sees read keeps its whole group. Copied tensors are one group; tensors handed over
-    in place are grouped as the export marked them (``GROUPS``). Only for sessions on the CPU
+    in place are grouped as the export marked them (``GROUPS``), tried all together first
+    (one probe where nothing reads any), then group by group. Only for sessions on the CPU
     provider alone: other providers may read weights later (TensorRT builds its engines at the
     first run).
     """
@@ -128,9 +129,12 @@ def release_unpacked(session, probe) -> int:
             not all(a.flags.writeable and a.flags.c_contiguous for a in made.values()):
         return 0
     values = getattr(session, "edgespec_values", {})
+    groups = [g for g in getattr(session, "edgespec_groups", [list(made)]) if g]
+    if len(groups) > 1:  # every group at once first: int8 compute reads none of them
+        groups = [[name for group in groups for name in group], *groups]
     before = probe()
     freed = 0
-    for group in getattr(session, "edgespec_groups", [list(made)]):
+    for group in groups:
         group = [name for name in group if name in made]
         if not group:
             continue
@@ -257,10 +261,10 @@ def _make(recipe: dict, data: _DataFile, depth: int) -> np.ndarray:
         low, high = make("low"), make("high")
         if low.shape != high.shape or low.dtype != np.uint8 or high.dtype != np.uint8:
             raise ValueError("a value's two planes differ in shape or type")
-        out = high << np.uint8(4)
-        out |= low
-        out += np.uint8(int(recipe["offset"]) & 255)
-        return out
+        high <<= np.uint8(4)  # in place (made just now): one tensor less to allocate
+        high |= low
+        high += np.uint8(int(recipe["offset"]) & 255)
+        return high
     if op == "factors":
         unit = make("unit").astype(np.float32)
         if recipe.get("steps") is None:
