@@ -327,7 +327,7 @@ def test_stream_yields_the_text_in_pieces(pipes):
 
 
 
-def test_a_prefill_scores_one_row_and_a_run_after_it_all_of_them(packages):
+def test_a_prefill_scores_one_row_and_a_run_after_it_all_of_them(packages, monkeypatch):
     """A fused graph scores only the rows asked for (LOGITS_TO_KEEP): a prefill, whose logits
     go unread, gets one row, the same as the last of a run scoring all; the run after it
     scores every row again (the input is fed at every run: an IO binding would otherwise keep
@@ -357,13 +357,9 @@ def test_a_prefill_scores_one_row_and_a_run_after_it_all_of_them(packages):
         scored.append((self is pipe.target, len(tokens), len(logits)))
         return logits, rows
 
-    session_module.ModelSession._run = spy
-    try:
-        prompt = "def add(a, b):\n    return"
-        result = pipe.generate(prompt, max_new_tokens=8, temperature=0.0, drafter="model",
-                               draft_length=2, schedule="fixed", ignore_eos=True)
-    finally:
-        session_module.ModelSession._run = run
+    monkeypatch.setattr(session_module.ModelSession, "_run", spy)
+    result = pipe.generate("def add(a, b):\n    return", max_new_tokens=8, temperature=0.0,
+                           drafter="model", draft_length=2, schedule="fixed", ignore_eos=True)
     prefill = next(s for s in scored if s[0])
     assert prefill[1] == result.stats.prompt_tokens - 1 > 1 and prefill[2] == 1
     assert any(s[0] and s[2] == s[1] > 1 for s in scored)  # verification scores every row

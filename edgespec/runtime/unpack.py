@@ -76,7 +76,7 @@ def inference_session(path: Path, options=None, providers=("CPUExecutionProvider
     import onnxruntime as ort
 
     folder = Path(path).parent
-    made = read(folder)
+    made, recipes = _read(folder)
     options = options or ort.SessionOptions()
     values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in made.items()}
     in_place = bool(made) and list(providers) == ["CPUExecutionProvider"] and \
@@ -89,7 +89,7 @@ def inference_session(path: Path, options=None, providers=("CPUExecutionProvider
     session = ort.InferenceSession(str(path), options, providers=list(providers))
     session.edgespec_unpacked = made  # onnxruntime may read these buffers: kept while it might
     session.edgespec_values = values  # an in-place value must outlive the session's load
-    session.edgespec_groups = _groups(folder, made) if in_place else [list(made)]
+    session.edgespec_groups = _groups(recipes, made) if in_place else [list(made)]
     session.edgespec_folder = folder
     return session
 
@@ -100,10 +100,10 @@ def _empty_file(path: Path) -> bool:
     return path.is_file() and not path.is_symlink() and path.stat().st_size == 0
 
 
-def _groups(folder: Path, made: dict) -> list[list[str]]:
+def _groups(recipes: dict, made: dict) -> list[list[str]]:
     """The in-place tensors ``release_unpacked`` may let go of, group by group as the export
-    marked them; the others are read at every run."""
-    marks = {name: recipe.get("packed") for name, recipe in _recipes(folder / UNPACK_NAME).items()
+    marked them in their ``recipes``; the others are read at every run."""
+    marks = {name: recipe.get("packed") for name, recipe in recipes.items()
              if isinstance(recipe, dict)}
     return [[name for name in made if marks.get(name) == kind] for kind in GROUPS]
 
@@ -171,9 +171,14 @@ def give_back_freed_memory() -> None:
 
 def read(folder: Path) -> dict[str, np.ndarray]:
     """The tensors ``folder/UNPACK_NAME`` describes, by initializer name ({} without one)."""
+    return _read(folder)[0]
+
+
+def _read(folder: Path) -> tuple[dict[str, np.ndarray], dict]:
+    """(``read``'s tensors, the recipes that made them)."""
     path = Path(folder) / UNPACK_NAME
     if not path.is_file():
-        return {}
+        return {}, {}
     recipes = _recipes(path)
     data_path = Path(folder) / DATA_NAME
     if not data_path.is_file() or data_path.is_symlink():
@@ -194,7 +199,7 @@ def read(folder: Path) -> dict[str, np.ndarray]:
                 raise ManifestError(f"{path}: {name[:80]!r} cannot be made ({str(e)[:200]}); "
                                     "re-export the pair") from None
             out[str(name)] = value
-    return out
+    return out, recipes
 
 
 def _recipes(path: Path) -> dict:
