@@ -403,18 +403,23 @@ def cmd_speculative(args) -> dict:
                "edgespec_ngram_adaptive": dict(drafter="ngram", schedule="adaptive",
                                                draft_length=max(ks))}
     pipes = {name: pipe for name in configs}
-    # the package's draft, and those of --also packages (the same target, another draft
-    # export): each drafter at every fixed k and adaptive, in the same turns
+    greedy_reference = {name: "edgespec_none" for name in configs}  # whose tokens to equal
+    # the package's draft, and those of --also packages (another export of the pair: its
+    # target-only run too, the reference its greedy tokens must equal): each drafter at
+    # every fixed k and adaptive, in the same turns
     for label, path in [("edgespec", None), *(a.partition("=")[::2] for a in args.also)]:
         other = pipe if path is None else load_pipeline(path, args.threads)
         if other.manifest.draft is None:
             continue
-        settings = {f"{label}_model_k{k}": dict(drafter="model", schedule="fixed",
-                                                draft_length=k) for k in ks}
+        settings = {} if path is None else {f"{label}_none": dict(drafter="none")}
+        settings.update({f"{label}_model_k{k}": dict(drafter="model", schedule="fixed",
+                                                     draft_length=k) for k in ks})
         settings[f"{label}_model_adaptive"] = dict(drafter="model", schedule="adaptive",
                                                    draft_length=max(ks))
         configs.update(settings)
         pipes.update({name: other for name in settings})
+        greedy_reference.update({name: "edgespec_none" if path is None else f"{label}_none"
+                                 for name in settings})
     prompts = [json.loads(l) for l in Path(args.prompts).read_text().splitlines() if l.strip()]
     if args.kinds:
         prompts = [p for p in prompts if p.get("kind") in args.kinds.split(",")]
@@ -450,8 +455,9 @@ def cmd_speculative(args) -> dict:
             row["median_tokens_per_s"] = {k: statistics.median(x["tokens_per_s"] for x in v)
                                           for k, v in runs.items()}
             if temperature == 0:
-                none = runs["edgespec_none"][0]["token_ids"]
-                row["greedy_identical"] = all(runs[k][0]["token_ids"] == none for k in configs)
+                row["greedy_identical"] = all(
+                    runs[k][0]["token_ids"] == runs[greedy_reference[k]][0]["token_ids"]
+                    for k in configs)
             rows.append(row)
             print(f"{p.get('kind')} T={temperature}: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in row["median_tokens_per_s"].items()), flush=True)
@@ -517,7 +523,7 @@ def summarize_speculative(rows: list[dict], genai: dict | None = None) -> dict:
                     "acceptance": row.get("acceptance_rate")}
         llama = max((k for k in every if k.startswith("llamacpp")),
                     key=lambda k: every[k]["tokens_per_s"])
-        ours = max((k for k in every if not k.startswith(("llamacpp", "genai"))),
+        ours = max((k for k in every if k.startswith("edgespec")),  # --pkg's, not --also's
                    key=lambda k: every[k]["tokens_per_s"])
         peer = max((k for k in every if k.startswith("genai")),
                    key=lambda k: every[k]["tokens_per_s"], default=None)
