@@ -208,7 +208,8 @@ def test_a_package_built_before_its_draft_is_kept_and_told_how_to_rebuild(tmp_pa
 
 def test_models_build_passes_the_target_compute_to_the_export(tmp_path, monkeypatch):
     """``models build --target-compute int8`` exports the target so (float by default: the
-    file's numbers); the export itself is stubbed, its arguments are what is checked."""
+    file's numbers), ``--quantize int4`` makes the wider blocks 4-bit (none by default: the
+    file's blocks kept); the export itself is stubbed, its arguments are what is checked."""
     from click.testing import CliRunner
 
     import edgespec.export
@@ -224,13 +225,15 @@ def test_models_build_passes_the_target_compute_to_the_export(tmp_path, monkeypa
     calls = []
 
     def fake_export(target, draft, out, **kwargs):
-        calls.append(kwargs["target_compute"])
+        calls.append((kwargs["target_compute"], kwargs["quantize"]))
         Path(out).mkdir()
         (Path(out) / "edgespec.json").write_text("{}")
 
     monkeypatch.setattr(edgespec.export, "export_pair", fake_export)
     monkeypatch.setattr(smollm2_draft, "write_draft", lambda gguf, weights, out: None)
-    for option, expected in (([], "float"), (["--target-compute", "int8", "--overwrite"], "int8")):
+    for option, expected in (([], ("float", None)),
+                             (["--target-compute", "int8", "--overwrite"], ("int8", None)),
+                             (["--quantize", "int4", "--overwrite"], ("float", "int4"))):
         result = CliRunner().invoke(main, ["models", "build", "smollm2", "--from", str(gguf),
                                            *option])
         assert result.exit_code == 0, result.output

