@@ -26,6 +26,7 @@ from edgespec.cli import main
 from edgespec.errors import ExportError
 from edgespec.export import export_pair
 from edgespec.export.gguf_blocks import REPACKED, Packed, repack
+from edgespec.models import gguf_blocks
 
 gguf = pytest.importorskip("gguf")
 from conftest import greedy_is_target_only  # noqa: E402
@@ -387,6 +388,24 @@ def test_quantize_applies_to_the_weights_that_were_not_repacked(files, tmp_path)
     assert manifest.target.quantization == "int8"
     assert manifest.target.validation["variant"] == "int8"  # the lossy gate: o quantized
     assert manifest.target.validation["failures"] == []
+    # edgespec models list says which matrices kept the file's blocks and which were made int8
+    taken = gguf_blocks(manifest.target.validation)
+    assert taken.endswith("kept as the file's blocks; its float matrices made int8"), taken
+
+
+def test_models_list_says_how_the_files_blocks_were_taken(packages):
+    """A package exported as the file is says so (nothing made again), and a manifest's record
+    from anyone is read for its counts only."""
+    from edgespec.models import describe_package
+
+    lines = describe_package("k", packages["llama_k"])
+    taken = next(line for line in lines if "from GGUF" in line)
+    assert "kept as the file's blocks" in taken and "made" not in taken, lines
+    hostile = {"gguf": {"tensors": {"repacked": {"Q4_K": "9" * 99, "X" * 500: 3, "Y": True},
+                                    "dequantized": [1, 2]},
+                        "requantized": True, "quantization": "int4; rm -rf /"}}
+    assert gguf_blocks(hostile) == "3 XXXXXXXXXXXX kept as the file's blocks"
+    assert gguf_blocks({"gguf": "junk"}) == gguf_blocks([]) == gguf_blocks({}) == ""
 
 
 # -- bad input ----------------------------------------------------------------------------------

@@ -64,4 +64,33 @@ def describe_package(name: str, path: Path) -> list[str]:
            "rounding of near-ties")
         + (f"; draft scores {draft.vocab_size:,} of the tokens" if draft and draft.token_ids
            else ""),
+        *(f"      {role} from GGUF: {taken}" for role, spec in (("target", target),
+                                                            ("draft", draft))
+          if spec is not None and (taken := gguf_blocks(spec.validation))),
     ]
+
+
+def gguf_blocks(validation) -> str:
+    """How a model read from GGUF took the file's matrices, from its manifest's record: "169
+    Q4_K, 29 Q6_K kept as the file's blocks", or with "29 Q6_K made int4" (export --quantize;
+    "its float matrices made int8" when none was of a block type) or "dequantized"; "" for a
+    model of another source. A manifest may come from anyone: only the counts are read, the
+    type names shortened."""
+    record = validation.get("gguf") if isinstance(validation, dict) else None
+    tensors = record.get("tensors") if isinstance(record, dict) else None
+    if not isinstance(tensors, dict):
+        return ""
+
+    def counted(how: str) -> str:
+        kinds = tensors.get(how)
+        if not isinstance(kinds, dict):
+            return ""
+        return ", ".join(f"{count} {str(kind)[:12]}" for kind, count in kinds.items()
+                         if isinstance(count, int) and not isinstance(count, bool))
+
+    quantized = record.get("quantization") if record.get("requantized") is True else None
+    made = f"made {quantized}" if quantized in ("int4", "int8") else "dequantized"
+    parts = [f"{counted('repacked')} kept as the file's blocks" if counted("repacked") else "",
+             f"{counted('dequantized')} {made}" if counted("dequantized") else
+             (f"its float matrices {made}" if made != "dequantized" else "")]
+    return "; ".join(part for part in parts if part)

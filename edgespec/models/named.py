@@ -385,4 +385,11 @@ def describe_named() -> list[str]:
         source = model.target.project.format(f"1..{len(model.target.parts)}")
         lines.append(f"{name}  {model.title} ({model.license}, from {source} "
                      f"{model.target.version}); {where}")
+        if built:  # what it holds: its models, precision, how the files' blocks were taken
+            from edgespec.models import describe_package
+
+            try:
+                lines.extend(describe_package(name, built)[1:])
+            except EdgespecError as e:
+                lines.append(f"      cannot be read: {e}")
     return lines
