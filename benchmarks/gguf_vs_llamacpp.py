@@ -396,6 +396,12 @@ def _llama_run(cmd: list[str], name: str) -> dict:
 
 
 def cmd_speculative(args) -> dict:
+    labels = [a.partition("=")[0] for a in args.also]  # they name columns beside edgespec_*
+    bad = [label for label in labels
+           if not label.isidentifier() or label.startswith(("edgespec", "llamacpp", "genai"))]
+    if bad or len(set(labels)) < len(labels):
+        raise SystemExit(f"--also LABEL=PKG: each label once, a name not starting with edgespec, "
+                         f"llamacpp or genai (got {', '.join(labels)})")
     bin_dir = Path(args.llama)
     pipe = load_pipeline(args.pkg, args.threads)
     ks = [int(k) for k in args.ks.split(",")]
@@ -410,6 +416,7 @@ def cmd_speculative(args) -> dict:
     for label, path in [("edgespec", None), *(a.partition("=")[::2] for a in args.also)]:
         other = pipe if path is None else load_pipeline(path, args.threads)
         if other.manifest.draft is None:
+            print(f"{label}: {path or args.pkg} has no draft model; its drafters are not timed")
             continue
         settings = {} if path is None else {f"{label}_none": dict(drafter="none")}
         settings.update({f"{label}_model_k{k}": dict(drafter="model", schedule="fixed",

@@ -122,6 +122,8 @@ class Manifest:
             raise ManifestError(
                 f"{path} is corrupt ({type(e).__name__}: {e}); re-export the pair"
             ) from None
+        except OSError as e:  # unreadable: permissions, a link to nowhere
+            raise ManifestError(f"cannot read {path} ({e.strerror or e})") from None
         if not isinstance(raw, dict):
             raise ManifestError(f"{path} is corrupt (not a JSON object); re-export the pair")
         version = raw.get("format_version")
@@ -173,7 +175,11 @@ class Manifest:
         for name, relative in named.items():
             if relative is None:  # an optional file the package does not have
                 continue
-            resolved = (folder / relative).resolve()
+            try:
+                resolved = (folder / relative).resolve()
+            except (OSError, RuntimeError) as e:  # a loop of links (RuntimeError before 3.13)
+                raise ManifestError(f"{folder / relative} cannot be resolved ({e}); re-export "
+                                    "the pair") from None
             if Path(relative).is_absolute() or not resolved.is_relative_to(root):
                 _refuse(folder / MANIFEST_NAME, name, relative,
                         "a path inside the package folder")

@@ -390,7 +390,7 @@ def test_quantize_applies_to_the_weights_that_were_not_repacked(files, tmp_path)
     assert manifest.target.validation["failures"] == []
     # edgespec models list says which matrices kept the file's blocks and which were made int8
     taken = gguf_blocks(manifest.target.validation)
-    assert taken.endswith("kept as the file's blocks; its float matrices made int8"), taken
+    assert taken.endswith("kept as the file's blocks; its float matrices --quantize int8"), taken
 
 
 def test_models_list_says_how_the_files_blocks_were_taken(packages):
@@ -401,11 +401,15 @@ def test_models_list_says_how_the_files_blocks_were_taken(packages):
     lines = describe_package("k", packages["llama_k"])
     taken = next(line for line in lines if "from GGUF" in line)
     assert "kept as the file's blocks" in taken and "made" not in taken, lines
-    hostile = {"gguf": {"tensors": {"repacked": {"Q4_K": "9" * 99, "X" * 500: 3, "Y": True},
+    hostile = {"gguf": {"tensors": {"repacked": {"Q4_K": "9" * 99, "X" * 500: 3, "Y": True,
+                                                 "Q4\n      draft": 2, "\x1b[2J": 1,
+                                                 "Q8_0": -4, "Q6_K": 10**40, "Q5_0": 5},
                                     "dequantized": [1, 2]},
                         "requantized": True, "quantization": "int4; rm -rf /"}}
-    assert gguf_blocks(hostile) == "3 XXXXXXXXXXXX kept as the file's blocks"
+    assert gguf_blocks(hostile) == "5 Q5_0 kept as the file's blocks"
     assert gguf_blocks({"gguf": "junk"}) == gguf_blocks([]) == gguf_blocks({}) == ""
+    many = {"gguf": {"tensors": {"repacked": {f"Q{i}": 1 for i in range(1000)}}}}
+    assert gguf_blocks(many).count(",") < 20
 
 
 # -- bad input ----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import fields, replace
+from pathlib import Path
 
 import pytest
 
@@ -127,6 +128,29 @@ def test_a_path_through_a_subfolder_that_stays_inside_is_fine(packages, tmp_path
     pkg = copy_package(packages, tmp_path)
     edit_manifest(pkg, setter("target.path", "draft/../target/model.onnx"))
     assert Manifest.read(pkg).target.path == "draft/../target/model.onnx"
+
+
+def test_a_loop_of_links_or_an_unreadable_manifest_is_one_line(packages, tmp_path, monkeypatch):
+    """A package's tokenizer that is a loop of links (resolve() raises RuntimeError before
+    Python 3.13, OSError after) and a manifest that cannot be read are ManifestErrors, not
+    tracebacks (``edgespec models list`` and every command read manifests)."""
+    pkg = copy_package(packages, tmp_path)
+    relative = json.loads((pkg / MANIFEST_NAME).read_text())["tokenizer"]
+    (pkg / relative).unlink()
+    (pkg / relative).symlink_to(pkg / "loop")
+    (pkg / "loop").symlink_to(pkg / relative)
+    with pytest.raises(ManifestError, match=f"{relative} cannot be resolved"):
+        Manifest.read(pkg)
+    (pkg / relative).unlink()
+    shutil.copy(packages["gpt2"] / relative, pkg / relative)
+    Manifest.read(pkg)  # the package reads again: what failed was the loop
+
+    def forbidden(self, *args, **kwargs):  # tests run as root here: permissions cannot forbid
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_text", forbidden)
+    with pytest.raises(ManifestError, match="cannot read .*Permission denied"):
+        Manifest.read(pkg)
 
 
 def test_a_manifest_that_is_not_an_object_is_refused(packages, tmp_path):

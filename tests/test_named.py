@@ -77,7 +77,8 @@ def test_parts_are_joined_in_order_and_checked(tiny, tmp_path):
     # models list names it built; a manifest it cannot read (the stub's "{}") is one line
     listed = [line for line in named.describe_named()
               if line.startswith("tiny ") or "cannot" in line]
-    assert f"built at {path}" in listed[0] and listed[1].strip().startswith("cannot be read:")
+    assert f"built at {path}" in listed[0] and listed[1].strip().startswith("cannot be read (")
+    assert listed[1].endswith("edgespec models build tiny --overwrite")
 
 
 def test_a_corrupted_part_is_named_and_nothing_is_left(tiny, tmp_path):

@@ -204,9 +204,12 @@ def test_a_package_built_before_its_draft_is_kept_and_told_how_to_rebuild(tmp_pa
     lines = []
     assert named.build("smollm2", progress=lines.append) == tmp_path / "smollm2"
     assert "without its draft model (--overwrite builds the pair)" in lines[0]
+    (tmp_path / "smollm2" / "edgespec.json").write_text(json.dumps({"draft": {}}))
+    named.build("smollm2", progress=lines.append, quantize="int4")  # options, no --overwrite
+    assert lines[-1].endswith("(--overwrite builds it again with the options given)")
 
 
-def test_models_build_passes_the_target_compute_to_the_export(tmp_path, monkeypatch):
+def test_models_build_passes_target_compute_and_quantize_to_the_export(tmp_path, monkeypatch):
     """``models build --target-compute int8`` exports the target so (float by default: the
     file's numbers), ``--quantize int4`` makes the wider blocks 4-bit (none by default: the
     file's blocks kept); the export itself is stubbed, its arguments are what is checked."""

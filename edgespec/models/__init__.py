@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from edgespec.errors import EdgespecError
 from edgespec.manifest import MANIFEST_NAME
 
 DEMO_PACKAGE = Path(__file__).parent / "demo"
+# gguf_blocks reads a manifest's counts of GGUF types: names as GGUF spells them, sane counts
+_KIND = re.compile(r"[A-Z][A-Z0-9_]{0,11}")
+_KINDS, _COUNT = 16, 10**6
 
 
 def demo_package() -> Path:
@@ -45,7 +49,7 @@ def describe_package(name: str, path: Path) -> list[str]:
     from edgespec.manifest import Manifest
 
     manifest = Manifest.read(path)
-    size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    size = sum(_size(f) for f in Path(path).rglob("*"))
     draft = manifest.draft
     kind = "an EAGLE-3 head, " if draft and draft.architecture == "eagle3" else ""
     drafting = (f"draft {kind}{draft.layers} layers, {draft.parameters / 1e6:.1f}M" if draft
@@ -70,12 +74,20 @@ def describe_package(name: str, path: Path) -> list[str]:
     ]
 
 
+def _size(path: Path) -> int:
+    """A file's bytes; 0 for what is not a file or cannot be read (gone, forbidden)."""
+    try:
+        return path.stat().st_size if path.is_file() else 0
+    except OSError:
+        return 0
+
+
 def gguf_blocks(validation) -> str:
     """How a model read from GGUF took the file's matrices, from its manifest's record: "169
-    Q4_K, 29 Q6_K kept as the file's blocks", or with "29 Q6_K made int4" (export --quantize;
-    "its float matrices made int8" when none was of a block type) or "dequantized"; "" for a
-    model of another source. A manifest may come from anyone: only the counts are read, the
-    type names shortened."""
+    Q4_K, 29 Q6_K kept as the file's blocks", with "29 Q6_K read as floats, then --quantize
+    int4" (or "dequantized"; "its float matrices --quantize int8" when none of a block type
+    was read as floats); "" for a model of another source. A manifest may come from anyone:
+    only counts of names spelled as GGUF's types are read, at most _KINDS of them."""
     record = validation.get("gguf") if isinstance(validation, dict) else None
     tensors = record.get("tensors") if isinstance(record, dict) else None
     if not isinstance(tensors, dict):
@@ -85,12 +97,16 @@ def gguf_blocks(validation) -> str:
         kinds = tensors.get(how)
         if not isinstance(kinds, dict):
             return ""
-        return ", ".join(f"{count} {str(kind)[:12]}" for kind, count in kinds.items()
-                         if isinstance(count, int) and not isinstance(count, bool))
+        named = [(count, kind) for kind, count in list(kinds.items())[:_KINDS]
+                 if isinstance(kind, str) and _KIND.fullmatch(kind) and
+                 type(count) is int and 0 < count < _COUNT]
+        return ", ".join(f"{count} {kind}" for count, kind in named)
 
     quantized = record.get("quantization") if record.get("requantized") is True else None
-    made = f"made {quantized}" if quantized in ("int4", "int8") else "dequantized"
+    then = f"read as floats, then --quantize {quantized}" if quantized in ("int4", "int8") \
+        else "dequantized"
     parts = [f"{counted('repacked')} kept as the file's blocks" if counted("repacked") else "",
-             f"{counted('dequantized')} {made}" if counted("dequantized") else
-             (f"its float matrices {made}" if made != "dequantized" else "")]
+             f"{counted('dequantized')} {then}" if counted("dequantized") else
+             (f"its float matrices --quantize {quantized}" if quantized in ("int4", "int8")
+              else "")]
     return "; ".join(part for part in parts if part)

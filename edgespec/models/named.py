@@ -390,6 +390,7 @@ def describe_named() -> list[str]:
 
             try:
                 lines.extend(describe_package(name, built)[1:])
-            except EdgespecError as e:
-                lines.append(f"      cannot be read: {e}")
+            except (EdgespecError, OSError, RuntimeError) as e:
+                lines.append(f"      cannot be read ({str(e)[:200]}): edgespec models build "
+                             f"{name} --overwrite")
     return lines
