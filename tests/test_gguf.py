@@ -390,7 +390,7 @@ def test_quantize_applies_to_the_weights_that_were_not_repacked(files, tmp_path)
     assert manifest.target.validation["failures"] == []
     # edgespec models list says which matrices kept the file's blocks and which were made int8
     taken = gguf_blocks(manifest.target.validation)
-    assert taken.endswith("kept as the file's blocks; its float matrices --quantize int8"), taken
+    assert taken.endswith("kept as the file's blocks; its float matrices quantized (int8)"), taken
 
 
 def test_models_list_says_how_the_files_blocks_were_taken(packages):

@@ -84,10 +84,11 @@ def _size(path: Path) -> int:
 
 def gguf_blocks(validation) -> str:
     """How a model read from GGUF took the file's matrices, from its manifest's record: "169
-    Q4_K, 29 Q6_K kept as the file's blocks", with "29 Q6_K read as floats, then --quantize
-    int4" (or "dequantized"; "its float matrices --quantize int8" when none of a block type
-    was read as floats); "" for a model of another source. A manifest may come from anyone:
-    only counts of names spelled as GGUF's types are read, at most _KINDS of them."""
+    Q4_K, 29 Q6_K kept as the file's blocks", with "29 Q6_K requantized (int4)" (read as
+    floats for --quantize or --draft-quantize; else "dequantized"; "its float matrices
+    quantized (int8)" when none of a block type was read as floats); "" for a model of another
+    source. A manifest may come from anyone: only counts of names spelled as GGUF's types are
+    read, at most _KINDS of them."""
     record = validation.get("gguf") if isinstance(validation, dict) else None
     tensors = record.get("tensors") if isinstance(record, dict) else None
     if not isinstance(tensors, dict):
@@ -103,10 +104,9 @@ def gguf_blocks(validation) -> str:
         return ", ".join(f"{count} {kind}" for count, kind in named)
 
     quantized = record.get("quantization") if record.get("requantized") is True else None
-    then = f"read as floats, then --quantize {quantized}" if quantized in ("int4", "int8") \
-        else "dequantized"
+    then = f"requantized ({quantized})" if quantized in ("int4", "int8") else "dequantized"
     parts = [f"{counted('repacked')} kept as the file's blocks" if counted("repacked") else "",
              f"{counted('dequantized')} {then}" if counted("dequantized") else
-             (f"its float matrices --quantize {quantized}" if quantized in ("int4", "int8")
+             (f"its float matrices quantized ({quantized})" if quantized in ("int4", "int8")
               else "")]
     return "; ".join(part for part in parts if part)
