@@ -103,10 +103,10 @@ def gguf_blocks(validation) -> str:
                  type(count) is int and 0 < count < _COUNT]
         return ", ".join(f"{count} {kind}" for count, kind in named)
 
+    kept, read = counted("repacked"), counted("dequantized")
     quantized = record.get("quantization") if record.get("requantized") is True else None
-    then = f"requantized ({quantized})" if quantized in ("int4", "int8") else "dequantized"
-    parts = [f"{counted('repacked')} kept as the file's blocks" if counted("repacked") else "",
-             f"{counted('dequantized')} {then}" if counted("dequantized") else
-             (f"its float matrices quantized ({quantized})" if quantized in ("int4", "int8")
-              else "")]
+    quantized = quantized if quantized in ("int4", "int8") else None
+    parts = [f"{kept} kept as the file's blocks" if kept else "",
+             f"{read} {f'requantized ({quantized})' if quantized else 'dequantized'}" if read
+             else f"its float matrices quantized ({quantized})" if quantized else ""]
     return "; ".join(part for part in parts if part)

@@ -390,7 +390,7 @@ def describe_named() -> list[str]:
 
             try:
                 lines.extend(describe_package(name, built)[1:])
-            except (EdgespecError, OSError, RuntimeError) as e:
+            except (EdgespecError, OSError) as e:  # Manifest.read's ManifestError, mostly
                 lines.append(f"      cannot be read ({str(e)[:200]}): edgespec models build "
                              f"{name} --overwrite")
     return lines
