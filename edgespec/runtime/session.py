@@ -23,6 +23,10 @@ FEATURES, HIDDEN_OUT = "eagle_features", "hidden_out"
 # a fused graph's input: score only the run's last rows (int64 [1]; 0: all of them): a
 # prefill's logits are thrown away, and a 2,048-token prompt's are 1.2 GB at 152k tokens
 LOGITS_TO_KEEP = "logits_to_keep"
+# The run sizes whose reads decide which made tensors the load may let go (``_probe``): a lone
+# token and a verify-sized run take different kernels, whatever min_run_tokens says (a manifest
+# may be wrong for this CPU, and the load's own checks run lone tokens)
+PROBE_RUNS = (1, 2, 9)
 
 
 class ModelSession:
@@ -62,19 +66,39 @@ class ModelSession:
         self._read_graph(spec)
         self.in_place = spec.graph == "fused"
         self.min_run_tokens = spec.min_run_tokens
+        # a run padded further so that it ends on a multiple of this position (1: no further):
+        # where a kernel's row tiles count from the run's end, every position then sits at
+        # the same place in its tile whatever run computes it (numerics.py chooses it)
+        self.run_align = 1
         self.max_positions = max_positions
         self.device = "cuda" if self.providers[0] != "CPUExecutionProvider" else "cpu"
         check_probe_run(path, self)  # a graph that cannot decode fails here, not at a request
         unpack.release_unpacked(self.session, self._probe)  # onnxruntime holds copies
 
     def _probe(self) -> list[np.ndarray]:
-        """The outputs of a two-token run on an empty cache (tokens 1 and 2: a table's row 0
-        may be zeros, and a zeroed copy of it would change nothing)."""
-        cache = self.new_cache(2)
-        features = (np.ones((2, self.feature_size), np.float32) if self.reads_features
-                    else None)
-        logits, rows = self.forward_rows(np.array([1, 2], np.int64), cache, features)
-        return [logits.copy()] + ([rows.copy()] if rows is not None else [])
+        """The outputs of runs of each of PROBE_RUNS tokens on an empty cache, as fed (no
+        padding): which tensors a kernel reads after the load depends on the run's row count
+        and on the CPU. On AVX2 without AVX-512, int8 compute's one-row kernel reads a 4-bit
+        MatMulNBits' zero points at every run while runs of two rows or more read a packed
+        copy, so a probe of two tokens alone let them go, and a one-token step then read
+        freed memory (a draft's logits off by 15 on an AMD EPYC, emulated in the tests).
+        Tokens 1, 2, ...: a table's row 0 may be zeros, and a zeroed copy of it would change
+        nothing."""
+        saved = self.min_run_tokens, self.run_align
+        self.min_run_tokens = self.run_align = 1
+        outputs = []
+        try:
+            for n in PROBE_RUNS:
+                n = min(n, self.max_positions)
+                cache = self.new_cache(n)
+                features = (np.ones((n, self.feature_size), np.float32) if self.reads_features
+                            else None)
+                logits, rows = self.forward_rows(np.arange(1, n + 1, dtype=np.int64) %
+                                                 self.vocab_size, cache, features)
+                outputs += [logits.copy()] + ([rows.copy()] if rows is not None else [])
+        finally:
+            self.min_run_tokens, self.run_align = saved
+        return outputs
 
     def _read_graph(self, spec: ModelSpec) -> None:
         inputs = {i.name: i for i in self.session.get_inputs()}
@@ -135,7 +159,7 @@ class ModelSession:
                              f" feature rows to a graph that reads "
                              f"{'them' if self.reads_features else 'none'}")
         keep = min(max(int(keep), 0), n)
-        pad = min(self.min_run_tokens - n, self.max_positions - cache.length - n)
+        pad = self.padding(cache.length, n)
         if pad > 0:
             tokens = np.concatenate([tokens, np.repeat(np.asarray(tokens)[-1:], pad)])
             if features is not None:
@@ -146,6 +170,14 @@ class ModelSession:
         else:
             logits, rows = self._run(tokens, cache, features, keep)
         return (logits[-keep:] if keep else logits), rows
+
+    def padding(self, start: int, n: int) -> int:
+        """The throw-away tokens a run of ``n`` after ``start`` cached positions carries: up
+        to ``min_run_tokens`` in all, then to the next multiple of ``run_align`` positions,
+        never past the window."""
+        total = max(n, self.min_run_tokens)
+        total += -(start + total) % self.run_align
+        return max(0, min(total - n, self.max_positions - start - n))
 
     def _run(self, tokens: np.ndarray, cache: KVCache | InPlaceKVCache,
              features: np.ndarray | None, keep: int = 0
