@@ -19,7 +19,10 @@ Qwen2.5-1.5B's shapes) and its one-row kernel is the only fast one.
 
 ``choose_runs`` measures the candidates on the exported graph, on this machine: their rows
 (bit-identical from two tokens on, or not) and their costs (a one-token step, a five-token
-run), and picks one per package, used by target-only and speculative decoding alike.
+run), and picks one per package, used by target-only and speculative decoding alike. Other CPUs
+compute otherwise (ARM64's attention needs runs that also end on a multiple of four positions),
+so every load checks the shape again on its own CPU and changes it where it does not hold
+there (runtime/numerics.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from edgespec.errors import ExportError
 from edgespec.export.precision import INT8_COMPUTE
 from edgespec.manifest import ModelSpec
 from edgespec.runtime.machine import load_average, usable_cores
+from edgespec.runtime.numerics import SHAPES
 from edgespec.runtime.providers import SessionConfig
 from edgespec.runtime.run_checks import PADDED, VERIFY, rows_identical, run_costs
 from edgespec.runtime.session import ModelSession
@@ -93,11 +97,12 @@ def choose_runs(root: Path, spec: ModelSpec, max_positions: int, requested: str 
         if quantized:
             set_compute(folder, compute)
         session = _session(root, spec, max_positions)
-        exact = rows_identical(session)
+        align = exact_align(session)
         pads = (1, PADDED) if compute == "float" else (PADDED,)
         for pad, costs in run_costs(session, pads).items():
             figures["candidates"][Candidate(compute, pad).name] = {
-                "compute": compute, "min_run_tokens": pad, "exact": pad > 1 and exact, **costs}
+                "compute": compute, "min_run_tokens": pad, "exact": pad > 1 and bool(align),
+                **costs, **({"align": align} if pad > 1 and align else {})}
         del session
     chosen = _pick(figures["candidates"])
     if chosen is None:
@@ -107,11 +112,22 @@ def choose_runs(root: Path, spec: ModelSpec, max_positions: int, requested: str 
     if quantized:
         set_compute(folder, chosen.compute)
     picked = figures["candidates"][chosen.name]
-    report(f"target runs: {chosen.name} ({'exact' if picked['exact'] else 'not bit-exact'}: "
+    exact = ("not bit-exact" if not picked["exact"] else "exact" if picked.get("align", 1) == 1
+             else f"exact with runs ending on multiples of {picked['align']} positions here")
+    report(f"target runs: {chosen.name} ({exact}: "
            f"step {picked['step_ms']:.1f} ms, {VERIFY}-token run {picked['verify_ms']:.1f} ms; "
            + "; ".join(f"{n}: {c['step_ms']:.1f} / {c['verify_ms']:.1f} ms"
                        for n, c in figures["candidates"].items() if n != chosen.name) + ")")
     return replace(spec, compute=chosen.compute, min_run_tokens=chosen.min_run_tokens), figures
+
+
+def exact_align(session: ModelSession) -> int | None:
+    """The alignment with which runs padded to two tokens give bit-identical rows here: 1 (none
+    needed), a larger one of runtime/numerics.py's SHAPES (ARM64's attention), None if none
+    does. A package's loads check it again on their own CPU, so the manifest keeps the
+    padding only."""
+    return next((align for runs, align in SHAPES if runs == PADDED
+                 and rows_identical(session, runs, align)), None)
 
 
 def busy() -> float | None:

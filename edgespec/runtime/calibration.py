@@ -1,9 +1,10 @@
-"""Measured step costs kept on disk, once per package, machine and session settings.
+"""Measured step costs and numerics checks kept on disk, once per package, machine and settings.
 
 The adaptive schedule needs the time of a draft step and of target runs on 1..k+1 tokens
 (schedule.calibrate). Measuring them costs about a second before the first token of every new
 process; the costs depend only on the graphs, the CPU, the onnxruntime build and the thread
-settings, so the first process stores them and later ones read them back.
+settings, so the first process stores them and later ones read them back. The load's checks of what a
+package's exactness rests on (numerics.py) are kept the same way.
 
 The store is one JSON file in the user's cache folder: ``$EDGESPEC_CACHE_DIR``, else the
 platform's (platformdirs: ``$XDG_CACHE_HOME/edgespec`` or ``~/.cache/edgespec`` on Linux,
@@ -26,7 +27,7 @@ from pathlib import Path
 import platformdirs
 
 from edgespec.manifest import MANIFEST_NAME
-from edgespec.runtime.machine import cpu_model, onnxruntime_build, usable_cores
+from edgespec.runtime.machine import cpu_model, instruction_sets, onnxruntime_build, usable_cores
 from edgespec.runtime.schedule import StepCosts
 
 FILE_NAME = "calibration.json"
@@ -61,26 +62,34 @@ def package_stamp(package: Path, model_paths: list[str]) -> str:
 def cache_key(package_stamp: str, settings: dict, kmax: int, context: int) -> str:
     """One entry per package (``package_stamp``), machine, onnxruntime build, edgespec version
     (how costs are measured), session settings and kmax."""
+    return _key(package=package_stamp, settings=settings, kmax=kmax, context=context)
+
+
+def numerics_key(package_stamp: str, settings: dict) -> str:
+    """The entry of a package's numerics checks (numerics.py) on this machine."""
+    return _key(kind="numerics", package=package_stamp, settings=settings)
+
+
+def _key(**parts) -> str:
+    """A hash of ``parts`` and the machine: its CPU's name and instruction sets (one name, such
+    as "AMD EPYC", covers CPUs with and without AVX-512), cores, onnxruntime and edgespec."""
     from edgespec import __version__
 
-    parts = {
-        "package": package_stamp,
-        "edgespec": __version__,
-        "cpu": cpu_model(),
-        "cores": usable_cores(),
-        "onnxruntime": onnxruntime_build(),
-        "settings": settings,
-        "kmax": kmax,
-        "context": context,
-    }
+    parts |= {"edgespec": __version__, "cpu": cpu_model(), "isa": instruction_sets(),
+              "cores": usable_cores(), "onnxruntime": onnxruntime_build()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def load_entry(key: str, folder: Path | None = None) -> dict | None:
+    """The entry stored under ``key`` as it was stored (unchecked: the caller checks it)."""
+    folder = folder or cache_folder()
+    return _read(folder).get(key) if folder else None
 
 
 def load_costs(key: str, kmax: int, folder: Path | None = None) -> StepCosts | None:
     """The costs stored under ``key``: a draft step and target runs on 1..kmax+1 tokens, each
     a positive number of ms; None if there are none, or the entry is not that."""
-    folder = folder or cache_folder()
-    entry = _read(folder).get(key) if folder else None
+    entry = load_entry(key, folder)
     try:
         draft_ms = float(entry["draft_step_ms"])
         target_ms = tuple(float(t) for t in entry["target_ms"])
@@ -94,12 +103,18 @@ def load_costs(key: str, kmax: int, folder: Path | None = None) -> StepCosts | N
 
 def store_costs(key: str, costs: StepCosts, folder: Path | None = None) -> bool:
     """Add ``costs`` under ``key``; False if the folder cannot be written (nothing changes)."""
+    return store_entry(key, {"draft_step_ms": costs.draft_step_ms,
+                             "target_ms": list(costs.target_ms)}, folder)
+
+
+def store_entry(key: str, entry: dict, folder: Path | None = None) -> bool:
+    """Add ``entry`` (JSON values) under ``key``, with the time; False if the folder cannot be
+    written (nothing changes)."""
     folder = folder or cache_folder()
     if folder is None:
         return False
     entries = _read(folder)
-    entries[key] = {"draft_step_ms": costs.draft_step_ms, "target_ms": list(costs.target_ms),
-                    "measured_at": time.time()}
+    entries[key] = {**entry, "measured_at": time.time()}
     newest = sorted(entries.items(), key=_age)[-MAX_ENTRIES:]
     try:
         folder.mkdir(parents=True, exist_ok=True)

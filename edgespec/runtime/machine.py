@@ -36,6 +36,55 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The instruction sets that pick onnxruntime's kernels (MLAS dispatches on them at run time), by
+# the names numpy's CPUID reading gives them; each with the name edgespec prints
+_NUMPY_ISA = (("AVX2", "AVX2"), ("FMA3", "FMA"), ("AVX512F", "AVX-512"),
+              ("AVX512BW", "AVX-512BW"), ("AVX512VNNI", "AVX-512 VNNI"),
+              ("AVX512BF16", "AVX-512 BF16"), ("AVX512FP16", "AVX-512 FP16"),
+              ("ASIMD", "NEON"), ("ASIMDDP", "dot product"), ("ASIMDFHM", "FHM"),
+              ("ASIMDHP", "FP16"), ("SVE", "SVE"))
+# What numpy does not read, from the kernel's flags (x86 /proc/cpuinfo "flags", ARM "Features")
+_KERNEL_ISA = (("avx_vnni", "AVX-VNNI"), ("amx_int8", "AMX-INT8"), ("amx_bf16", "AMX-BF16"),
+               ("i8mm", "i8mm"), ("bf16", "BF16"), ("sve2", "SVE2"))
+
+
+def instruction_sets() -> tuple[str, ...]:
+    """The instruction sets of _NUMPY_ISA and _KERNEL_ISA this process can use, e.g.
+    ("AVX2", "FMA", "AVX-512", ...). numpy's reading runs CPUID in this process, so it is what
+    onnxruntime sees (under an emulator, the emulated CPU); the kernel's flags describe the
+    host, so they are read only where they agree with numpy's on AVX-512 and NEON (an emulated
+    CPU without AVX-512 does not get the host's AMX)."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as features
+    except ImportError:
+        try:
+            from numpy.core._multiarray_umath import __cpu_features__ as features
+        except ImportError:  # no numpy (a peer's environment): the kernel's word alone
+            features = None
+    flags = _kernel_flags()
+    if features is None:
+        names = {"avx2": "AVX2", "fma": "FMA", "avx512f": "AVX-512", "avx512_vnni":
+                 "AVX-512 VNNI", "asimd": "NEON", "asimddp": "dot product", "sve": "SVE"}
+        found = [label for flag, label in names.items() if flag in flags]
+    else:
+        found = [label for name, label in _NUMPY_ISA if features.get(name)]
+        host = ("avx512f" in flags, "asimd" in flags)
+        if host != (bool(features.get("AVX512F")), bool(features.get("ASIMD"))):
+            flags = set()  # an emulated or masked CPU: the kernel describes another one
+    return tuple(found + [label for flag, label in _KERNEL_ISA if flag in flags])
+
+
+def _kernel_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its affinity mask, which containers narrow)."""
     if hasattr(os, "sched_getaffinity"):
@@ -87,6 +136,7 @@ def machine_info() -> dict:
     """Everything above, for a results file."""
     return {
         "cpu": cpu_model(),
+        "instruction_sets": list(instruction_sets()),
         "cores": usable_cores(),
         "cpu_count": os.cpu_count(),
         "caches": cpu_caches(),

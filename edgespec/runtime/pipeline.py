@@ -20,11 +20,12 @@ from edgespec.config import (
 )
 from edgespec.errors import ConfigError, GenerationError
 from edgespec.manifest import Manifest
-from edgespec.runtime import calibration
+from edgespec.runtime import calibration, numerics
 from edgespec.runtime.chat import chat_prompt_ids, load_chat_template
 from edgespec.runtime.drafters import drafter_class, drafter_key, make_drafter, resolve_drafter
 from edgespec.runtime.healing import Healing, PrefixIndex, heal
 from edgespec.runtime.inputs import check_ids, check_text, load_tokenizer, text_bounds
+from edgespec.runtime.numerics import Numerics
 from edgespec.runtime.schedule import (
     AdaptiveSchedule,
     FixedSchedule,
@@ -132,6 +133,10 @@ class Pipeline:
         # the files the sessions were loaded from (a re-export later must not take their costs)
         self._package_stamp = calibration.package_stamp(
             self.path, [spec.path for spec in m.models.values()])
+        # what the package's exactness rests on, checked on this CPU (numerics.py)
+        self.numerics = self._check_numerics()
+        for warning in self.numerics.warnings():
+            warnings.warn(warning, stacklevel=2)
         self._costs: dict[int, StepCosts] = {}
         self.calibration_s: dict[int, float] = {}  # per kmax: seconds spent finding the costs
         self.calibration: dict[int, str] = {}  # per kmax: "measured" or "stored" (read back)
@@ -307,6 +312,22 @@ class Pipeline:
             return AdaptiveSchedule(costs, sampled=not config.sampling.greedy)
         return FixedSchedule(config.draft_length)
 
+    def _check_numerics(self) -> Numerics:
+        """The run shapes that hold on this CPU (numerics.py), read back from the calibration
+        cache or probed now and stored there, and set on the sessions."""
+        key = calibration.numerics_key(self._package_stamp, self.describe_sessions())
+        manifest_runs = (self.target.min_run_tokens,
+                         self.draft.min_run_tokens if self.draft else None)
+        found = (Numerics.from_record(calibration.load_entry(key), *manifest_runs)
+                 if self.calibration_cache else None)
+        if found is None:
+            found = numerics.check(self.target, self.draft,
+                                   numerics.requires_exact(self.manifest.target))
+            if self.calibration_cache:
+                calibration.store_entry(key, found.record())
+        numerics.apply(found, self.target, self.draft)
+        return found
+
     def step_costs(self, kmax: int) -> StepCosts:
         """Draft and target run times for k = 0..kmax: read from the calibration cache
         (calibration.py), else measured and stored there; kept for this process either way.
@@ -333,7 +354,8 @@ class Pipeline:
     def describe_sessions(self) -> dict:
         """Each model's session settings and the providers it runs on (for results files)."""
         sessions = {"target": self.target, "draft": self.draft}
-        return {role: {**asdict(config), "providers": sessions[role].providers}
+        return {role: {**asdict(config), "providers": sessions[role].providers,
+                       "min_run_tokens": sessions[role].min_run_tokens}
                 for role, config in self.session_configs.items()}
 
     def generate(
