@@ -5,10 +5,11 @@
     models.py    models (list, build NAME, build-demo), distill (an EAGLE-3 head)
     bench.py     bench
     chat.py      chat
+    doctor.py    doctor
     serve.py     serve
 """
 
-from edgespec.cli import bench, chat, generate, models, serve  # noqa: F401  (each registers its commands)
+from edgespec.cli import bench, chat, doctor, generate, models, serve  # noqa: F401  (each registers its commands)
 from edgespec.cli.base import entry, main
 
 __all__ = ["entry", "main"]
