@@ -61,7 +61,8 @@ NGRAM_PROMPTS = ("def add(a, b):\n    return a + b\ndef add(a, b):\n", "a b a b 
 
 def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied: bool = True,
                tokenizer: bool = True, architecture: str | None = None, hidden: int = 64,
-               value_length: int | None = None, rope_scaling: dict | None = None) -> Path:
+               value_length: int | None = None, rope_scaling: dict | None = None,
+               chat_template: str | None = None) -> Path:
     """A GGUF file of a tiny random ``kind`` model, tensors quantized as ``types`` says (GGUF
     short names: "attn_q", "token_embd", ... -> "Q4_1"; others F32), with the tests' tokenizer
     as tokenizer.ggml.* metadata. K-quants (which gguf-py cannot make) are random blocks."""
@@ -88,6 +89,8 @@ def write_gguf(path: Path, kind: str, types: dict[str, str], seed: int = 0, tied
         writer.add_eos_token_id(0)
         writer.add_pad_token_id(0)
         writer.add_add_bos_token(False)
+        if chat_template is not None:
+            writer.add_chat_template(chat_template)
     for name, value in model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue

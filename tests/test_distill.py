@@ -190,3 +190,87 @@ def test_distill_refuses_bad_arguments_before_torch_loads(tmp_path, case):
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     if case == "out":
         assert (out / "mine.txt").read_text() == "keep me"
+
+
+# -- refused before any work, and resume folders from strangers (issue 50) ------------------------
+
+LOOPING = "{% for i in range(10**9) %}{{ i }}{% endfor %}"
+ESCAPING = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+
+
+def _one_line(result, match: str) -> None:
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and match in errors[0], result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("template", [LOOPING, ESCAPING], ids=["looping", "escaping"])
+def test_a_hostile_chat_template_in_a_gguf_target_is_refused_leaving_no_folder(
+        tmp_path, template):
+    """The template renders one prompt in the bounded child before OUT is made (before: the
+    refusal came from the teacher stage, after OUT/work was made, and left it behind)."""
+    from gguf_files import write_gguf
+
+    target = write_gguf(tmp_path / "t.gguf", "llama", {}, chat_template=template)
+    out = tmp_path / "head"
+    _one_line(_distill(target, out, "--prompts", "1", "1", "1"), "template")
+    assert not out.exists()
+
+
+def test_a_gguf_target_without_accelerate_is_refused_before_any_work(tmp_path):
+    """accelerate made unimportable (transformers then sees it missing, as where it is not
+    installed): one line naming it and its install command, nothing made (before: transformers'
+    ValueError traceback from the model load, and OUT/work left behind)."""
+    from gguf_files import write_gguf
+
+    target = write_gguf(tmp_path / "t.gguf", "llama", {})
+    out = tmp_path / "head"
+    code = ("import sys; sys.modules['accelerate'] = None\n"
+            "from edgespec.cli import main\n"
+            f"main(['distill', '--target', {str(target)!r}, '--out', {str(out)!r}, "
+            "'--data', 'code', '--tokens', '1000'])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "accelerate" in proc.stderr and "pip install 'accelerate>=0.26'" in proc.stderr
+    assert not out.exists()
+
+
+class _Payload:
+    """A pickle that would run a command when loaded: what a resume folder from a stranger may
+    hold."""
+
+    def __reduce__(self):
+        import os
+
+        return os.system, ("touch PWNED",)
+
+
+def test_resume_files_that_are_not_the_stages_are_refused_and_kept(tmp_path, monkeypatch):
+    """A finished distill's work files replaced one at a time by a pickle of code and by plain
+    tensors of another layout: each second run refuses in one line naming the file, runs
+    nothing, and leaves the file as it was (before: torch.load's UnpicklingError traceback for
+    the pickle; a TypeError deep in the stage for the other layout)."""
+    import pickle
+
+    monkeypatch.chdir(tmp_path)
+    target, _ = _llama3_target(tmp_path / "target")
+    head = tmp_path / "head"
+    options = ("--prompts", "2", "1", "1", "--new-tokens", "8", "--max-steps", "2",
+               "--draft-vocab", "64", "--steps", "1")
+    assert _distill(target, head, *options).exit_code == 0
+    for name in ("teacher.pt", "features.pt", "state.pt"):
+        file = head / "work" / name
+        kept = file.read_bytes()
+        for spoiled in (pickle.dumps(_Payload()), None):
+            if spoiled is None:
+                torch.save({"not": torch.zeros(2)} if name != "state.pt" else [1, 2], file)
+            else:
+                file.write_bytes(spoiled)
+            before = file.read_bytes()
+            _one_line(_distill(target, head, *options), str(file))
+            assert file.read_bytes() == before and not (tmp_path / "PWNED").exists()
+        file.write_bytes(kept)
+    assert _distill(target, head, *options).exit_code == 0  # the kept files resume as before

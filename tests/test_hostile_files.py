@@ -284,6 +284,23 @@ HEAD_CONFIGS = {
     "draft_vocab": (_set(draft_vocab_size=10**9), "draft_vocab_size 1000000000 is not"),
     # Before: "config.json needs hidden_size", the value not named.
     "escape": (_set(hidden_size="\x1b[2J"), "hidden_size '\\x1b[2J' is not an integer"),
+    # Before: read as no head (architectures must be a list), then as a draft model: "is a L,
+    # l, a, m, a, F, o, r, ... model" (the name's letters joined).
+    "architectures_one_name": (_set(architectures="LlamaForCausalLMEagle3"),
+                               "architectures 'LlamaForCausalLMEagle3' is not a list of"),
+    # Before: TypeError (unhashable type: 'list'), in transformers' rope validation.
+    "rope_type_list": (_set(rope_scaling={"rope_type": ["linear"], "factor": 2.0}),
+                       "is not an object whose rope_type is one of"),
+    "rope_scaling_list": (_set(rope_scaling=[1, 2]), "rope_scaling [1, 2] is not an object"),
+    # Before: accepted (transformers only logs), then TypeError (Tensor /= str) in the rotary.
+    "rope_factor_text": (_set(rope_scaling={"rope_type": "linear", "factor": "x"}),
+                         "'factor' not numbers"),
+    # Before: KeyError's traceback (Missing required keys in `rope_scaling`).
+    "rope_field_missing": (_set(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+                           "Missing required keys"),
+    # Before: accepted: a rotary that depends on the sequence length, which the graph has not.
+    "rope_dynamic": (_set(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+                     "is not an object whose rope_type is one of"),
 }
 
 
@@ -350,6 +367,18 @@ def _linked_shard(folder: Path) -> None:
     _outside_copy(folder)
     (folder / "model.safetensors").unlink()
     (folder / "model.safetensors").symlink_to(folder.parent / "outside_head.safetensors")
+
+
+@pytest.mark.parametrize("names", [5, [{"name": "LlamaForCausalLM"}]])
+def test_a_draft_config_whose_architectures_is_no_list_of_names_is_one_line(
+        tmp_path, target, names):
+    """config.json's architectures not a list of class names (an integer, objects), in a draft
+    model's folder: one line (before: TypeError, 'int' object is not iterable / unhashable
+    type: 'dict')."""
+    folder = _head(tmp_path, target, _set(architectures=names))
+    out = tmp_path / "out"
+    assert_one_line(["export", "--target", str(target), "--draft", str(folder), "--out",
+                     str(out)], "is not a list of class names", out)
 
 
 HEAD_WEIGHTS = {

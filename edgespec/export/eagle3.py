@@ -67,6 +67,8 @@ def is_eagle3_head(folder: Path) -> bool:
     except (OSError, ValueError, RecursionError):
         return False
     names = raw.get("architectures") if isinstance(raw, dict) else None
+    if isinstance(names, str):  # one name, not the list it belongs in: read_head_config says so
+        names = [names]
     return isinstance(names, list) and any(a in ARCHITECTURES for a in names
                                            if isinstance(a, str))
 
@@ -109,6 +111,10 @@ def read_head_config(folder: Path, target_config) -> HeadConfig:
         raise ExportError(f"{folder / 'config.json'} is not a JSON object; is it an EAGLE-3 "
                           "head folder?")
     fields = _HeadFields(raw)
+    names = raw.get("architectures")
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        fields.problems.append(f"architectures {shown(names)} is not a list of class names "
+                               f"(such as [{ARCHITECTURES[0]!r}])")
     hidden = fields.integer("hidden_size", None, 1 << 17)
     heads = fields.integer("num_attention_heads", None, 1024)
     kv_heads = fields.integer("num_key_value_heads", heads or 1, heads or 1024)
@@ -119,10 +125,8 @@ def read_head_config(folder: Path, target_config) -> HeadConfig:
     draft_vocab = fields.integer("draft_vocab_size", vocab or target_config.vocab_size,
                                  vocab or 1 << 22)
     eps = fields.number("rms_norm_eps", 1e-6)
-    rope = {"rope_theta": fields.number("rope_theta", None)}
-    if not isinstance(raw.get("rope_scaling"), (dict, type(None))):
-        fields.problems.append(f"rope_scaling {shown(raw['rope_scaling'])} is not an object")
-    rope["rope_scaling"] = raw.get("rope_scaling")
+    rope = {"rope_theta": fields.number("rope_theta", None),
+            "rope_scaling": _rope_scaling(raw.get("rope_scaling"), fields.problems)}
     norm_before_residual = raw.get("norm_before_residual", False)
     if not isinstance(norm_before_residual, bool):
         fields.problems.append(f"norm_before_residual {shown(norm_before_residual)} is not "
@@ -180,6 +184,45 @@ class _HeadFields:
             self.problems.append(f"{key} {shown(value)} is not a positive number")
             return default
         return float(value)
+
+
+def _rope_scaling(scaling: object, problems: list[str]) -> dict | None:
+    """config.json's rope_scaling, if the head's rotary can be made from it: an object whose
+    rope_type (or type) is one transformers computes with no dependence on the sequence length,
+    its other fields numbers (finite; a factor >= 1), lists of numbers or true/false, and
+    transformers' Llama rotary built from it (whose own validation only logs); else None, with
+    the problem noted."""
+    if scaling is None:
+        return None
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    def number(v: object) -> bool:
+        return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    kinds = sorted(k for k in ROPE_INIT_FUNCTIONS if k not in ("dynamic", "longrope"))
+    if not isinstance(kind, str) or kind not in (*kinds, "default"):
+        problems.append(f"rope_scaling {shown(scaling)} is not an object whose rope_type is "
+                        f"one of {', '.join(kinds)}")
+        return None
+    wrong = [k for k, v in scaling.items() if k not in ("rope_type", "type") and not (
+        number(v) or isinstance(v, bool) or isinstance(v, list) and all(map(number, v)))]
+    factor = scaling.get("factor", 1.0)
+    if wrong or not number(factor) or factor < 1:
+        problems.append(f"rope_scaling {shown(scaling)}: "
+                        + (f"{', '.join(map(shown, wrong))} not numbers" if wrong
+                           else "factor is not a number >= 1"))
+        return None
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    try:  # what the head's graph and its reference compute from it (KeyError for a field missing)
+        LlamaRotaryEmbedding(config=LlamaConfig(hidden_size=64, num_attention_heads=4,
+                                                num_hidden_layers=1, rope_scaling=scaling))
+    except Exception as e:  # noqa: BLE001: any of transformers' refusals, said in one line
+        problems.append(f"rope_scaling {shown(scaling)}: {shown(one_line(e, 120), 140)}")
+        return None
+    return scaling
 
 
 def _aux_layers(raw: dict, layers: int, problems: list[str]) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from edgespec.errors import ExportError, IncompatiblePairError
+from edgespec.errors import ExportError, IncompatiblePairError, one_line, shown
 
 
 # generation_config.json settings edgespec's sampler does not apply (yet): named at export.
@@ -105,8 +105,13 @@ def read_checkpoint(path: Path, role: str) -> Checkpoint:
         )
     try:
         config = AutoConfig.from_pretrained(path)
-    except (ValueError, OSError) as e:
-        raise ExportError(f"--{role} {path}: cannot read config.json ({e})") from None
+    except (ValueError, OSError, TypeError, KeyError, AttributeError) as e:
+        raise ExportError(f"--{role} {path}: cannot read config.json ({one_line(e)})") from None
+    if not isinstance(config.architectures, (list, type(None))) or not all(
+            isinstance(name, str) for name in config.architectures or []):
+        raise ExportError(f"--{role} {path}: config.json's architectures "
+                          f"{shown(config.architectures)} is not a list of class names; "
+                          "re-save the model with save_pretrained")
     causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     declared = set(config.architectures or [])
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or declared - causal_classes:

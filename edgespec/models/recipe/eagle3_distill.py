@@ -6,26 +6,32 @@ state when given more minutes).
 Any model family: chat prompts are rendered with the target's own chat template and its replies
 end at its own end tokens (teacher.end_tokens: Llama 3's ``<|eot_id|>`` as ChatML's
 ``<|im_end|>``), which the head's vocabulary always keeps. A target that names no end token, or
-(``--data chat``) has no chat template, is refused before anything is written.
+(``--data chat``) has no chat template or one that does not render a prompt in bounded time and
+memory, or (a GGUF target) lacks transformers' GGUF loader, is refused before anything is
+written; a run refused or stopped before its first stage file removes the folders it made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from edgespec.errors import EdgespecError
 from edgespec.export.destination import write_file
+from edgespec.models.recipe.chat_prompts import first_round
 from edgespec.models.recipe.config import DISTILL_WORK as WORK, DistillConfig
 from edgespec.models.recipe.eagle3_head import (Example, TrainableHead, TrainSettings,
                                                 feature_stage, head_config, train_head,
                                                 write_head)
+from edgespec.models.recipe.saved import load_saved
 from edgespec.models.recipe.teacher import (EndTokens, check_chat_template, end_tokens,
-                                            load_target, reply_vocabulary,
-                                            target_continuations, teacher_stage)
-
+                                            load_target, needs_gguf_loader,
+                                            reply_vocabulary, target_continuations,
+                                            teacher_stage)
 
 
 def log(line: str) -> None:
@@ -51,7 +57,8 @@ def code_examples(target, tokenizer, work: Path, config: DistillConfig, report
     cached = work / "teacher.pt"
     if cached.is_file():
         report(f"teacher: reading {cached}")
-        windows, top_ids, top_logp = torch.load(cached)
+        windows, top_ids, top_logp = load_saved(cached, "the target's continuations",
+                                                _is_continuations)
     else:
         corpus = prepare_corpus(RecipeConfig(seed=config.seed), tokenizer)
         targets = target_continuations(target, corpus.train_ids, config.tokens,
@@ -63,6 +70,30 @@ def code_examples(target, tokenizer, work: Path, config: DistillConfig, report
     return [Example(w, 1, i, p) for w, i, p in zip(windows, top_ids, top_logp)]
 
 
+def _is_continuations(saved: object) -> bool:
+    """Whether ``saved`` is code_examples' (windows [N, L], top ids and log-probabilities
+    [N, L - 1, K])."""
+    if not (isinstance(saved, tuple) and len(saved) == 3
+            and all(isinstance(t, torch.Tensor) for t in saved)):
+        return False
+    windows, top_ids, top_logp = saved
+    return (windows.dim() == 2 and top_ids.dim() == 3 and top_ids.shape == top_logp.shape
+            and top_ids.shape[:2] == (windows.shape[0], windows.shape[1] - 1)
+            and not windows.is_floating_point())
+
+
+def _check_token_ids(examples: list[Example], vocab: int, saved: Path) -> None:
+    """Every text's ids and teacher ids in the target's vocabulary (a saved file may be
+    another target's)."""
+    for e in examples:
+        for ids in (e.ids, e.top_ids):
+            if ids is not None and len(ids) and not (0 <= int(ids.min()) and
+                                                     int(ids.max()) < vocab):
+                raise EdgespecError(f"{saved} holds token ids outside this target's vocabulary "
+                                    f"of {vocab:,} (another target's?); delete it to ask this "
+                                    "target again, or give another --out")
+
+
 def distill(target_path: Path, out: Path, config: DistillConfig = DistillConfig(),
             report=log) -> dict:
     """Every stage (module docstring); returns the training report."""
@@ -71,11 +102,26 @@ def distill(target_path: Path, out: Path, config: DistillConfig = DistillConfig(
     out = Path(out)
     work = out / WORK
     config.check_paths(target_path, out)
+    needs_gguf_loader(Path(target_path))
     checkpoint = read_checkpoint(Path(target_path), "target")
     end = end_tokens(checkpoint)  # what ends a reply, and the draft vocabulary keeps
-    if config.data == "chat":
-        check_chat_template(checkpoint)
+    if config.data == "chat":  # rendered once (bounded) before anything is written
+        check_chat_template(checkpoint, first_round(config.seed, *config.prompts)[0])
+    made = not out.exists()
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        return _stages(target_path, out, config, end, report)
+    except BaseException:
+        if made:  # a run refused before its first stage file leaves no folder behind
+            for folder in (work, out):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only if empty: a stage's file is resumable work
+        raise
+
+
+def _stages(target_path: Path, out: Path, config: DistillConfig, end: EndTokens,
+            report) -> dict:
+    work = out / WORK
     torch.manual_seed(config.seed)
     if config.data == "chat":
         examples = chat_examples(target_path, work, config, end, report)
@@ -84,6 +130,7 @@ def distill(target_path: Path, out: Path, config: DistillConfig = DistillConfig(
         target, tokenizer = load_target(target_path)
         examples = code_examples(target, tokenizer, work, config, report)
     vocab = target.config.vocab_size
+    _check_token_ids(examples, vocab, work / "teacher.pt")
     token_ids = reply_vocabulary(((e.ids.tolist(), e.start) for e in examples), vocab,
                                  min(config.draft_vocab, vocab), end.stop)
     head_cfg = head_config(target.config, out, len(token_ids), config.aux_layers)

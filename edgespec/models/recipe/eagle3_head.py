@@ -39,10 +39,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save as safetensors_bytes
 
+from edgespec.errors import EdgespecError, one_line
 from edgespec.export.destination import write_file
 from edgespec.export.aux_layers import check_aux_layers, default_aux_layers
 from edgespec.export.eagle3 import ARCHITECTURES, D2T, T2D, Eagle3Head, HeadConfig, _rotate
 from edgespec.models.recipe.config import DistillConfig
+from edgespec.models.recipe.saved import is_list_of, is_tensor, load_saved
 from edgespec.models.recipe.evaluate import HeldOut, held_out
 from edgespec.models.recipe.loop import (Budget, LoopState, shuffled_batches, train_loop,
                                          warmup_cosine)
@@ -188,7 +190,12 @@ def feature_stage(target, examples: list[Example], aux_layers: tuple[int, int, i
                   cache: Path, report: Progress, batch: int = 8) -> None:
     """Fill each example's ``features`` (float16), saved to ``cache`` every few batches; a
     second run reads the saved ones and computes the rest."""
-    done = torch.load(cache) if cache.is_file() else []
+    width = 3 * target.config.hidden_size
+    done = load_saved(cache, "the target's features", lambda saved: is_list_of(
+        saved, lambda f: is_tensor(f, 2) and f.shape[1] == width)) if cache.is_file() else []
+    if len(done) > len(examples) or any(len(f) != len(e.ids) for f, e in zip(done, examples)):
+        raise EdgespecError(f"{cache} holds the features of other texts than this run's (its "
+                            "teacher file was replaced?); delete it to compute them again")
     for example, features in zip(examples, done):
         example.features = features
     start = last = time.perf_counter()
@@ -264,6 +271,15 @@ class TrainSettings:
     max_steps: int | None = _DISTILL.max_steps
 
 
+def _is_state(saved: object) -> bool:
+    """Whether ``saved`` is what train_head's ``save`` writes."""
+    return (isinstance(saved, dict) and isinstance(saved["head"], dict)
+            and all(isinstance(k, str) and is_tensor(v) for k, v in saved["head"].items())
+            and isinstance(saved["optimizer"], dict) and type(saved["step"]) is int
+            and saved["step"] >= 0 and isinstance(saved["seconds"], (int, float))
+            and math.isfinite(saved["seconds"]) and saved["seconds"] >= 0)
+
+
 def train_head(head: TrainableHead, token_ids: np.ndarray, examples: list[Example],
                held: list[Example], settings: TrainSettings, state_path: Path,
                report: Progress) -> dict:
@@ -274,9 +290,14 @@ def train_head(head: TrainableHead, token_ids: np.ndarray, examples: list[Exampl
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.01)
     resume, before = LoopState(), None
     if state_path.is_file():
-        saved = torch.load(state_path)
-        head.load_state_dict(saved["head"])
-        optimizer.load_state_dict(saved["optimizer"])
+        saved = load_saved(state_path, "a training state", _is_state)
+        try:
+            head.load_state_dict(saved["head"])
+            optimizer.load_state_dict(saved["optimizer"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            raise EdgespecError(f"{state_path} is the state of another head than this run's "
+                                f"({one_line(e, 160)}); delete it to train from the start, or "
+                                "give the options of the run that saved it") from None
         resume, before = LoopState(saved["step"], saved["seconds"]), saved["before"]
         report(f"train: resuming at step {resume.step}, {resume.seconds / 60:.1f} of "
                f"{settings.minutes} min")

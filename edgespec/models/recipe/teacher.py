@@ -33,6 +33,7 @@ from edgespec.errors import EdgespecError
 from edgespec.export.destination import write_file
 from edgespec.export.gguf_header import check_gguf
 from edgespec.models.recipe import chat_prompts
+from edgespec.models.recipe.saved import is_list_of, is_tensor, load_saved
 
 _BATCH = 8  # windows per teacher run
 _GEN_BATCH = 32  # continuations generated together
@@ -180,11 +181,33 @@ def end_tokens(checkpoint) -> EndTokens:
     return EndTokens(stop, stop[0] if pad is None else pad)
 
 
-def check_chat_template(checkpoint) -> None:
-    """Refuse a target whose tokenizer has no chat template: chat prompts need one."""
+_LOADER_FLOORS = {"gguf": ">=0.10", "accelerate": ">=0.26"}  # pyproject.toml's
+
+
+def check_chat_template(checkpoint, prompt: dict | None = None) -> None:
+    """Refuse a target whose tokenizer has no chat template (chat prompts need one), or whose
+    template does not render ``prompt`` (a first_round record) within the bounded child's time
+    and memory (chat_ids): a hostile or looping template is refused before any work starts."""
     if not getattr(checkpoint.tokenizer, "chat_template", None):
         raise EdgespecError(f"--target {checkpoint.path} has no chat template to ask it chat "
                             "prompts with; use --data code, or a target with a chat template")
+    if prompt is not None:
+        chat_ids(checkpoint.tokenizer, [prompt["messages"]])
+
+
+def needs_gguf_loader(path: Path) -> None:
+    """A GGUF target is read by transformers' GGUF loader, which needs the gguf and accelerate
+    packages: refused before any work when either is missing, with the command that adds it."""
+    import importlib.util
+
+    if path.suffix != ".gguf":
+        return
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        wanted = " ".join(f"'{name}{_LOADER_FLOORS[name]}'" for name in missing)
+        raise EdgespecError(f"--target {path}: transformers reads a GGUF file with "
+                            f"{' and '.join(missing)}, not installed; pip install {wanted} "
+                            "(edgespec's export extra has them)")
 
 
 def load_target(path: Path) -> tuple[LlamaForCausalLM, object]:
@@ -307,7 +330,7 @@ def teacher_stage(target_path: Path, out: Path, seed: int, sizes: tuple[int, int
     straight to training when it is complete (or, with ``partial``, on the batches saved so
     far)."""
     cached = out / "teacher.pt"
-    done = torch.load(cached) if cached.is_file() else []
+    done = load_saved(cached, "the teacher's replies", _is_batches) if cached.is_file() else []
     expected = 2 * -(-sum(sizes) // batch)
     if len(done) >= expected or (partial and done):
         report(f"teacher: reading {cached}")
@@ -324,6 +347,16 @@ def teacher_stage(target_path: Path, out: Path, seed: int, sizes: tuple[int, int
                            done, save, report)
     report(f"teacher: {sum(len(r['top_ids']) for r in records):,} reply positions in {cached}")
     return records
+
+
+def _is_batches(saved: object) -> bool:
+    """Whether ``saved`` is teacher_data's batches: lists of records as ``answer`` makes them."""
+    def is_record(r: object) -> bool:
+        return (isinstance(r, dict) and is_list_of(r["ids"], lambda i: type(i) is int)
+                and type(r["start"]) is int and 0 <= r["start"] <= len(r["ids"])
+                and is_tensor(r["top_ids"], 2) and is_tensor(r["top_logp"], 2)
+                and len(r["top_ids"]) == len(r["top_logp"]) == len(r["ids"]) - r["start"])
+    return is_list_of(saved, lambda batch: is_list_of(batch, is_record))
 
 
 def reply_vocabulary(texts: Iterable[tuple[list[int], int]], vocab_size: int, size: int,
