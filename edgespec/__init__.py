@@ -9,14 +9,14 @@ command line starts, and answers Ctrl-C, before the heavy imports.
 """
 
 from edgespec import models  # light: paths only (edgespec.models.demo_package())
-from edgespec.config import GenerationConfig, SamplingConfig
+from edgespec.config import Constraint, GenerationConfig, SamplingConfig
 from edgespec.errors import EdgespecError
 
 __version__ = "0.1.0"
 
 _RUNTIME = ("GenerationResult", "GenerationStats", "Pipeline", "SessionConfig", "load")
 
-__all__ = ["EdgespecError", "GenerationConfig", "SamplingConfig", "models", *_RUNTIME]
+__all__ = ["Constraint", "EdgespecError", "GenerationConfig", "SamplingConfig", "models", *_RUNTIME]
 
 
 def __getattr__(name: str):

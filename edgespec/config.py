@@ -40,6 +40,49 @@ ADAPTIVE_MAX_K = 16
 FORMER_SETTINGS = {"gamma": "draft_length", "use_draft": 'drafter="none"'}
 
 
+# What a constraint's text is (runtime/grammar.py compiles it with llguidance): a JSON schema
+# (as JSON text), any JSON object, a regular expression (Rust's regex syntax), a grammar in
+# Lark's syntax or llama.cpp's GBNF
+CONSTRAINTS = ("json_schema", "json_object", "regex", "lark", "gbnf")
+MAX_CONSTRAINT_CHARS = 1 << 20  # a schema or grammar longer than 1 MiB is no request's
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the generated text must match: ``kind`` one of CONSTRAINTS and its ``source`` (a
+    JSON schema's text, a regular expression, a grammar; "" for json_object). Every row of
+    the target and of the draft is masked to the tokens the grammar allows after the text
+    before it (runtime/grammar.py), so output is the target's distribution restricted to the
+    grammar and renormalised, with or without drafting."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINTS:
+            raise ConfigError(f"a constraint's kind must be one of {', '.join(CONSTRAINTS)}, "
+                              f"got {self.kind!r}")
+        if not isinstance(self.source, str) or len(self.source) > MAX_CONSTRAINT_CHARS:
+            raise ConfigError(f"a constraint's source must be text of at most "
+                              f"{MAX_CONSTRAINT_CHARS:,} characters")
+        if self.kind != "json_object" and not self.source.strip():
+            raise ConfigError(f"a {self.kind} constraint needs its text; got none")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> "Constraint":
+        """A JSON schema given as an object or as its JSON text."""
+        import json
+
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise ConfigError(f"the JSON schema is not JSON ({e})") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ConfigError(f"a JSON schema is an object, got {type(schema).__name__}")
+        return cls("json_schema", json.dumps(schema))
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How a row of logits becomes a distribution; the same for draft and target.
@@ -169,6 +212,7 @@ class _GenerationFields:
     ngram_min: int = 1
     ngram_max: int = 3
     token_healing: bool = True
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not (is_int(self.max_new_tokens) and self.max_new_tokens >= 1):
@@ -194,6 +238,12 @@ class _GenerationFields:
             raise ConfigError(f"seed must be None or an integer >= 0, got {self.seed!r}")
         if not (isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop)):
             raise ConfigError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise ConfigError(f"constraint must be a Constraint, got {self.constraint!r}")
+            if self.ignore_eos:  # past the grammar's end only EOS is allowed
+                raise ConfigError("ignore_eos cannot be combined with a constraint: a "
+                                  "constrained text ends where its grammar does")
 
 
 class GenerationConfig(_GenerationFields):
@@ -223,6 +273,10 @@ class GenerationConfig(_GenerationFields):
         any token whose text starts with that token's text (runtime/healing.py): a prompt
         ending in a space or a newline then continues as the model would have split it.
         The first generated token regrows the removed text, which the returned text leaves out.
+        Not applied with a constraint (the grammar's text starts at the first new token).
+    constraint: a Constraint the text must match (JSON schema, JSON object, regex, grammar),
+        None: free text. Drafts are masked as the target's rows are; EOS is allowed only where
+        the grammar may end.
     """
 
     def __init__(self, *args, gamma: int | None = None, use_draft: bool | None = None,

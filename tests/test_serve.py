@@ -303,7 +303,7 @@ def test_chat_streams_deltas_and_refuses_what_its_template_refuses(chat_package)
         refused = client.post("/v1/chat/completions", json={
             "model": "chat", "messages": [{"role": "tool", "content": "x"}]})
         assert refused.status_code == 400 and "Unknown role: tool" in refused.text
-        for field, value in (("response_format", {"type": "json_object"}),
+        for field, value in (("response_format", {"type": "xml"}),
                              ("tool_choice", "auto")):  # would change the output: refused
             refused = client.post("/v1/chat/completions", json={**body, field: value})
             assert refused.status_code == 400, field

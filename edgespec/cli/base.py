@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from edgespec.config import former_settings
-from edgespec.errors import EdgespecError
+from edgespec.errors import ConfigError, EdgespecError
 
 
 class Terminated(BaseException):
@@ -243,6 +243,62 @@ def sampling_options(command):
     for option in reversed(options):
         command = option(command)
     return command
+
+
+def constraint_options(command):
+    """--json-schema, --json-object, --regex and --grammar: what the text must match (at most
+    one; ``constraint_from`` makes the config.Constraint)."""
+    options = [
+        click.option("--json-schema", type=click.Path(dir_okay=False, path_type=Path),
+                     help="Answer with JSON that fits the JSON schema in this file."),
+        click.option("--json-object", is_flag=True, help="Answer with a JSON object."),
+        click.option("--regex", help="Answer with text that matches this regular expression "
+                                     "(Rust's regex syntax)."),
+        click.option("--grammar", type=click.Path(dir_okay=False, path_type=Path),
+                     help="Answer with text in this grammar: Lark syntax, or llama.cpp's GBNF "
+                          "for a file ending in .gbnf."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def constraint_from(json_schema: Path | None, json_object: bool, regex: str | None,
+                    grammar: Path | None):
+    """The config.Constraint the options ask for, None for free text; one line for a file
+    that does not read or a second option given."""
+    from edgespec.config import MAX_CONSTRAINT_CHARS, Constraint
+
+    given = [name for name, value in (("--json-schema", json_schema), ("--json-object",
+             json_object), ("--regex", regex), ("--grammar", grammar)) if value]
+    if len(given) > 1:
+        raise click.ClickException(f"{' and '.join(given)} each constrain the whole answer; "
+                                   "give one")
+
+    def read(path: Path) -> str:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read(MAX_CONSTRAINT_CHARS + 1)
+        except (OSError, UnicodeDecodeError) as e:
+            raise click.ClickException(f"cannot read {path} ({e.__class__.__name__}: "
+                                       f"{getattr(e, 'strerror', None) or e})") from None
+        if len(text) > MAX_CONSTRAINT_CHARS:
+            raise click.ClickException(f"{path} is longer than {MAX_CONSTRAINT_CHARS:,} "
+                                       "characters; no schema or grammar needs that")
+        return text
+
+    if json_schema:
+        try:
+            return Constraint.json_schema(read(json_schema))
+        except ConfigError as e:
+            raise click.ClickException(f"{json_schema}: {e}") from None
+    if json_object:
+        return Constraint("json_object")
+    if regex:
+        return Constraint("regex", regex)
+    if grammar:
+        return Constraint("gbnf" if grammar.suffix == ".gbnf" else "lark", read(grammar))
+    return None
 
 
 def sampling_line(given: dict, package: dict) -> str:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import click
 
-from edgespec.cli.base import (check_chat_template, former_flags, main, runtime,
-                               sampling_line, sampling_options, user_errors)
+from edgespec.cli.base import (check_chat_template, constraint_from, constraint_options,
+                               former_flags, main, runtime, sampling_line,
+                               sampling_options, user_errors)
 from edgespec.config import (
     DRAFTERS,
     PROVIDERS,
@@ -59,13 +60,15 @@ REPLY_ROOM = 512
               help="What proposes tokens: the package's draft model, an n-gram lookup, or "
                    "none; auto: model if the package has one, else ngram.")
 @click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDERS))
+@constraint_options
 @user_errors
 def chat(package: Path | None, system: str | None, max_new_tokens: int | None,
          temperature: float | None, top_k: int | None, top_p: float | None,
          min_p: float | None, repetition_penalty: float | None,
          presence_penalty: float | None, frequency_penalty: float | None, seed: int | None,
          draft_length: int, gamma: int | None, schedule: str, drafter: str,
-         provider: str) -> None:
+         provider: str, json_schema: Path | None, json_object: bool, regex: str | None,
+         grammar: Path | None) -> None:
     """Chat with the model in PACKAGE through its chat template (default: the demo pair,
     which has none). At a terminal: /help lists the commands, Ctrl-C stops a reply. Piped:
     each line is a message, each reply goes to stdout, ended by a newline."""
@@ -76,7 +79,9 @@ def chat(package: Path | None, system: str | None, max_new_tokens: int | None,
     check_draft_length("--draft-length", draft_length)
     drafting = {"draft_length": draft_length, **former_flags(gamma=gamma)}
     config = GenerationConfig(sampling=resolve_sampling(given, {}), schedule=schedule,
-                              seed=seed, drafter=drafter, **drafting)
+                              seed=seed, drafter=drafter,
+                              constraint=constraint_from(json_schema, json_object, regex,
+                                                         grammar), **drafting)
     path = check_chat_template(package)
     pipe = runtime().load(path, provider=provider)
     config = replace(config, sampling=resolve_sampling(given, pipe.manifest.generation))

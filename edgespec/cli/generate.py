@@ -12,6 +12,8 @@ import click
 
 from edgespec.cli.base import (
     check_chat_template,
+    constraint_from,
+    constraint_options,
     former_flags,
     resolve_package,
     main,
@@ -142,6 +144,7 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
               help="PROMPT is a user's message: answer it through the package's chat template "
                    "(one turn of edgespec chat; never healed).")
 @click.option("--system", help="With --chat: a system message before PROMPT.")
+@constraint_options
 @user_errors
 def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, min_p: float | None,
@@ -151,7 +154,8 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
              seed: int | None, stop: tuple[str, ...], drafter: str, ngram_max: int,
              ngram_min: int, no_draft: bool, ignore_eos: bool, token_healing: bool,
              provider: str, draft_provider: str | None, as_json: bool, as_chat: bool,
-             system: str | None) -> None:
+             system: str | None, json_schema: Path | None, json_object: bool,
+             regex: str | None, grammar: Path | None) -> None:
     """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair); with
     --chat, answer it as a chat message."""
     load = runtime().load
@@ -187,6 +191,7 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
         ngram_min=ngram_min,
         ngram_max=ngram_max,
         token_healing=token_healing,
+        constraint=constraint_from(json_schema, json_object, regex, grammar),
         **drafting,
     )
     package = check_chat_template(package) if as_chat else resolve_package(package)

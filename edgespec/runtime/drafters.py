@@ -148,13 +148,15 @@ class ModelDrafter(Drafter):
         return self.cache.nbytes
 
     def next_row(self, committed: list[int], drafted: Sequence[int],
-                 sampling: SamplingConfig, penalties: Penalties | None = None) -> Dist:
+                 sampling: SamplingConfig, penalties: Penalties | None = None) -> Dist | None:
         start = time.perf_counter()
         fed = np.array(tokens_from(committed, drafted, self.cache.length))
         logits = self.session.forward(fed, self.cache, keep=1)[-1]  # [V], or [N] for a subset draft
         middle = time.perf_counter()
         if penalties is not None:
             logits = penalties.row(logits, committed, drafted, self.session.token_ids)
+            if not np.isfinite(logits).any():  # a grammar allows none of a subset draft's
+                return None
         q = process_row(logits, sampling)
         if self.session.token_ids is not None:  # column j is token token_ids[j]; q = 0 elsewhere
             q = q.relabel(self.session.token_ids)
@@ -238,6 +240,8 @@ class Eagle3Drafter(Drafter):
         row = logits[-1]  # [N]: the draft vocabulary's columns
         if penalties is not None:
             row = penalties.row(row, committed, drafted, self.session.token_ids)
+            if not np.isfinite(row).any():  # a grammar allows none of the head's tokens
+                return None
         q = process_row(row, sampling).relabel(self.session.token_ids)
         self.stats.draft_s += middle - start
         self.stats.sampling_s += time.perf_counter() - middle

@@ -23,6 +23,7 @@ from edgespec.manifest import Manifest
 from edgespec.runtime import calibration, numerics
 from edgespec.runtime.chat import chat_prompt_ids, load_chat_template
 from edgespec.runtime.drafters import drafter_class, drafter_key, make_drafter, resolve_drafter
+from edgespec.runtime.grammar import GrammarTokenizer
 from edgespec.runtime.healing import Healing, PrefixIndex, heal
 from edgespec.runtime.inputs import check_ids, check_text, load_tokenizer, text_bounds
 from edgespec.runtime.numerics import Numerics
@@ -142,6 +143,7 @@ class Pipeline:
         self.calibration: dict[int, str] = {}  # per kmax: "measured" or "stored" (read back)
         self._prefix_index: PrefixIndex | None = None  # token healing's, built on first use
         self._chat_template = None  # the package's, compiled on first use (needs jinja2)
+        self._grammar_tokenizer: GrammarTokenizer | None = None  # constraints', on first use
         self._bounded_text = None  # its tokenizing and rendering child, started on first use
         self.prefix_index_s = 0.0  # what building it took
         added = self.tokenizer.get_added_tokens_decoder()
@@ -229,6 +231,9 @@ class Pipeline:
                 "shorten the prompt"
             )
         drafter = resolve_drafter(config, has_draft=self.draft is not None)
+        # compiled now, so that a constraint that does not compile fails before any text
+        grammar = (self.grammar_tokenizer.compile(config.constraint)
+                   if config.constraint is not None else None)
         threads = {role: c.threads for role, c in self.session_configs.items()}
         stats = GenerationStats(speculative=drafter != NO_DRAFTER, threads=threads,
                                 drafter=drafter_class(drafter, self.draft).name)
@@ -240,7 +245,8 @@ class Pipeline:
             if cancelled.is_set():  # before the prefill and any measuring of costs
                 stats.finish_reason = "cancelled"
                 return
-            healing = self.heal(prompt, prompt_ids) if config.token_healing else None
+            healing = (self.heal(prompt, prompt_ids)
+                       if config.token_healing and grammar is None else None)
             stats.healed = healing.removed if healing else ""
             text = TextAssembler(self.tokenizer, config.stop, healing.context if healing else None,
                                  stats.healed)
@@ -250,7 +256,7 @@ class Pipeline:
             kept = self._caches(ids, drafter, config, stats)
             rounds = decode(self.target, kept.drafter, ids, config, schedule, limit, eos, stats,
                             first_allowed=healing.allowed if healing else None,
-                            cache=kept.target)
+                            cache=kept.target, grammar=grammar)
             committed = list(ids)  # between rounds the caches hold all of it but the last token
 
             def keep() -> None:  # only there: a failed round's caches are never kept
@@ -279,6 +285,14 @@ class Pipeline:
 
         return TextStream(pieces(), lambda out: GenerationResult(
             out, text.tokens if text else [], stats), cancelled)
+
+    @property
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """The tokenizer as the constraint engine reads it (grammar.py), made on first use."""
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(
+                self.tokenizer.to_str(), self.manifest.vocab_size, self.manifest.eos_token_ids)
+        return self._grammar_tokenizer
 
     def _caches(self, ids: list[int], drafter: str, config: GenerationConfig,
                 stats: GenerationStats) -> KeptCaches:
@@ -365,8 +379,9 @@ class Pipeline:
 
         ``config`` gives every setting at once; keyword settings override its fields:
         max_new_tokens, draft_length, schedule, drafter, ngram_min, ngram_max, seed, stop,
-        ignore_eos, token_healing, temperature, top_k, top_p, min_p, repetition_penalty,
-        presence_penalty, frequency_penalty (and, deprecated, gamma for draft_length and
+        ignore_eos, token_healing, constraint (a config.Constraint the text must match),
+        temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+        frequency_penalty (and, deprecated, gamma for draft_length and
         use_draft=False for drafter="none"). Without ``config``, sampling
         starts from the package's defaults (``default_sampling``: its target's
         generation_config.json, else greedy) and keyword settings override them. The

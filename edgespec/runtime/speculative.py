@@ -17,6 +17,7 @@ import numpy as np
 
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.runtime.drafters import Drafter
+from edgespec.runtime.grammar import ConstrainedRows, Grammar
 from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
 from edgespec.runtime.penalties import Penalties
 from edgespec.runtime.sampling import process_row
@@ -199,6 +200,7 @@ def decode(
     stats: GenerationStats,
     first_allowed: np.ndarray | None = None,
     cache: KVCache | InPlaceKVCache | None = None,
+    grammar: Grammar | None = None,
 ) -> Iterator[list[int]]:
     """Yield the tokens each round commits, until EOS, ``max_new_tokens`` or the context ends.
 
@@ -212,10 +214,16 @@ def decode(
     (a kept one, cropped to what it shares with the prompt: prefix_cache.py; ``drafter`` then
     covers a prefix of it too), None: a new one. Between rounds, the caches and the prompt
     with every list yielded so far agree (the cache invariant), which is what keeping them
-    for the next generation needs.
+    for the next generation needs. ``grammar``: the request's constraint compiled
+    (grammar.py), None: free text; every row, the target's and the drafter's, is then masked
+    after the penalties, and the generation cannot be healed (``first_allowed`` None).
     """
     uniforms = PositionUniforms(config.seed, first=len(prompt))  # u[n] for generated token n
     penalties = Penalties(config.sampling, len(prompt))
+    if grammar is not None:
+        if first_allowed is not None:
+            raise ValueError("a constrained generation is not healed")
+        penalties = ConstrainedRows(penalties, grammar)
     started = time.perf_counter()
     committed = list(prompt)
     stats.prompt_tokens = len(prompt)

@@ -323,7 +323,8 @@ def _start(server: Server, job: Job, body: Settings, prompt: str | list[int],
             prompt, prompt_ids=prompt_ids, max_new_tokens=max_tokens,
             **_sampling(server, body), **body.drafting(), schedule=body.schedule,
             seed=body.seed, stop=stop, ignore_eos=body.ignore_eos,
-            token_healing=body.token_healing)
+            token_healing=body.token_healing,
+            constraint=body.constraint())
     except EdgespecError as e:  # the schema checked each setting: what is left is the mix
         raise ApiError(400, str(e)) from None
     job.prompt_tokens = len(prompt_ids)

@@ -12,6 +12,7 @@ edgespec cannot honour (penalties, logprobs, several choices) are refused by ``u
 
 from __future__ import annotations
 
+import re
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -21,9 +22,11 @@ from edgespec.config import (
     FORMER_SETTINGS,
     MAX_DRAFT_LENGTH,
     SCHEDULES,
+    Constraint,
     GenerationConfig,
     former_settings,
 )
+from edgespec.serve.errors import shown
 
 _DEFAULTS = GenerationConfig()
 MAX_STOPS, STOP_CHARS = 4, 256  # stop sequences: how many, how long
@@ -74,6 +77,8 @@ class Settings(_Body):
     use_draft: bool | None = None
     ignore_eos: bool = False
     token_healing: bool = _DEFAULTS.token_healing
+    # OpenAI's structured output (vLLM takes it for completions too): ``constraint``
+    response_format: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -107,6 +112,45 @@ class Settings(_Body):
             return "logit_bias", "logit_bias is not supported"
         if self.logprobs:
             return "logprobs", "logprobs are not supported"
+        if (problem := self._response_format_problem()) is not None:
+            return "response_format", problem
+        return None
+
+    def _response_format_problem(self) -> str | None:
+        """What is wrong with response_format as OpenAI defines it: {"type": "text"},
+        {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema",
+        "strict", "description"}}; None if nothing."""
+        form = self.response_format
+        if form is None or form in ({"type": "text"}, {"type": "json_object"}):
+            return None
+        if form.get("type") != "json_schema":
+            return ('response_format must be {"type": "text"}, {"type": "json_object"} or '
+                    '{"type": "json_schema", "json_schema": {...}}, got ' + shown(form))
+        spec = form.get("json_schema")
+        if set(form) != {"type", "json_schema"} or not isinstance(spec, dict):
+            return 'a json_schema response_format is {"type": "json_schema", "json_schema": ' \
+                   '{"name": ..., "schema": {...}}}'
+        unknown = set(spec) - {"name", "schema", "strict", "description"}
+        name = spec.get("name")
+        if unknown:
+            return f"response_format.json_schema has unknown field(s) {', '.join(sorted(unknown))}"
+        if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name)):
+            return ("response_format.json_schema.name must be 1-64 letters, digits, _ or -, "
+                    f"got {shown(name)}")
+        if not isinstance(spec.get("schema", {}), dict):
+            return "response_format.json_schema.schema must be a JSON schema object"
+        if not isinstance(spec.get("strict", False), (bool, type(None))):
+            return "response_format.json_schema.strict must be true or false"
+        return None
+
+    def constraint(self) -> Constraint | None:
+        """response_format as a config.Constraint (checked by ``unsupported`` first): any JSON
+        object, or the schema given (omitted: any JSON value, as OpenAI reads it)."""
+        form = self.response_format or {}
+        if form.get("type") == "json_object":
+            return Constraint("json_object")
+        if form.get("type") == "json_schema":
+            return Constraint.json_schema(form["json_schema"].get("schema", {}))
         return None
 
 
@@ -179,7 +223,6 @@ class ChatCompletionRequest(Settings):
     tool_choice: str | dict | None = None
     functions: list[dict] | None = None  # the older names of tools and tool_choice
     function_call: str | dict | None = None
-    response_format: dict | None = None
     modalities: list[str] | None = None
     top_logprobs: int | None = None
 
@@ -197,11 +240,7 @@ class ChatCompletionRequest(Settings):
             return "modalities", 'modalities other than ["text"] are not supported'
         if self.top_logprobs is not None:
             return "top_logprobs", "top_logprobs needs logprobs, which are not supported"
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format", ("response_format (JSON mode, schemas) is not supported; "
-                                       "leave it out or give {\"type\": \"text\"}")
         return super().unsupported()
-
 
 class TokenizeRequest(_Body):
     """POST /tokenize: a prompt's ids as /v1/completions takes them (BOS where the tokenizer

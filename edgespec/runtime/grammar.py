@@ -1,0 +1,175 @@
+"""Constrained decoding: every row masked to the tokens a grammar allows after the text before
+it, the target's and the draft's alike (llguidance computes the masks).
+
+A constraint (config.Constraint: a JSON schema, any JSON object, a regular expression, a Lark or
+GBNF grammar) is compiled once per request into a matcher over the package's tokenizer. Row n
+(the token at position n) is masked for the generated text before n, drafts included, exactly
+as the repetition penalties change it (penalties.py): p_n and q_n stay functions of the prefix
+alone, so the acceptance rule and the uniforms keyed by position are unchanged, and the output
+is distributed as the target's distribution restricted to the grammar and renormalised (the
+masked row then goes through temperature, top-k, top-p and min-p as any row), with or without
+drafting; greedy output is the masked argmax either way.
+
+The matcher follows the text the rows are asked about: a draft path is consumed token by token
+as the draft proposes it, the masks it met are reused for the target's rows of the same round,
+and a rejection rolls the matcher back to the accepted prefix before the next token. A drafted
+token the grammar refuses (an n-gram lookup proposes any token) is not consumed: its own row
+already gives it probability 0, so the round rejects it there and the rows after it are never
+read. Where the grammar is complete only EOS is allowed, which ends the generation.
+
+Bounded: llguidance's parser limits cap the work of compiling a grammar and of each mask (its
+"fuel"), a source is at most config.MAX_CONSTRAINT_CHARS characters, and a grammar it cannot
+compile is a ConstraintError naming the problem.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import numpy as np
+
+from edgespec.config import Constraint
+from edgespec.errors import GenerationError, one_line
+
+# llguidance's limits, tighter than its defaults where a request is from anyone (its docs'
+# speeds: lexer fuel ~14k/ms, Earley items ~20k/ms): about 20 ms of lexer work to build,
+# 10 ms of work per mask at most, 50k grammar symbols
+_LIMITS = dict(initial_lexer_fuel=300_000, step_lexer_fuel=150_000, step_max_items=50_000,
+               max_lexer_states=50_000, max_grammar_size=50_000, verbose_errors=False)
+
+
+class ConstraintError(GenerationError):
+    """A constraint that cannot be compiled, or an engine that is not installed."""
+
+
+def _engine():
+    try:
+        import llguidance
+    except ImportError:
+        raise ConstraintError("constrained decoding needs llguidance: pip install "
+                              "'llguidance>=1.9' (edgespec's structured extra)") from None
+    return llguidance
+
+
+class GrammarTokenizer:
+    """A package's tokenizer as llguidance reads it, made once per pipeline (about a second
+    for a 150k-token vocabulary) and shared by its requests."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]):
+        llguidance = _engine()
+        self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
+        self.eos_token_ids = sorted(eos_token_ids)
+        try:
+            self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                    eos_token=self.eos_token_ids or None)
+        except Exception as e:  # noqa: BLE001: the library's refusal, said in one line
+            raise ConstraintError(f"llguidance cannot read this package's tokenizer "
+                                  f"({one_line(e, 160)})") from None
+
+    def compile(self, constraint: Constraint) -> "Grammar":
+        """A fresh matcher for one request."""
+        llguidance = _engine()
+        try:
+            if constraint.kind == "json_object":
+                grammar = llguidance.grammar_from("json_schema", json.dumps({"type": "object"}))
+            elif constraint.kind == "lark":
+                grammar = llguidance.grammar_from("lark", constraint.source)
+            else:
+                grammar = llguidance.grammar_from(constraint.kind, constraint.source)
+            matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
+                                           limits=llguidance.LLParserLimits(**_LIMITS))
+        except Exception as e:  # noqa: BLE001: the library's refusal, said in one line
+            raise ConstraintError(f"the {constraint.kind} constraint does not compile "
+                                  f"({one_line(e, 200)})") from None
+        if matcher.is_error():
+            raise ConstraintError(f"the {constraint.kind} constraint does not compile "
+                                  f"({one_line(matcher.get_error(), 200)})")
+        return Grammar(matcher, self.vocab_size, self.eos_token_ids)
+
+
+class Grammar:
+    """One request's matcher, and the masks along the text it was last asked about.
+
+    ``path``: the generated tokens consumed (a prefix of the text asked about, then possibly
+    a refused draft, never consumed); ``masks[i]``: the allowed tokens after ``path[:i]``
+    (bool ``[V]``), computed when first asked for.
+    """
+
+    def __init__(self, matcher, vocab_size: int, eos_token_ids: Sequence[int]):
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.path: list[int] = []
+        self.masks: list[np.ndarray | None] = [None]
+        self.start: int | None = None  # the position of the first generated token
+        self.mask_calls = 0
+
+    def allowed(self, committed: Sequence[int], drafted: Sequence[int] = ()) -> np.ndarray:
+        """The tokens allowed after ``committed + drafted`` (bool ``[V]``); if a token of the
+        text is one the grammar refuses, the mask before it (the row that refused it)."""
+        if self.start is None:
+            self.start = len(committed)
+        generated = [*committed[self.start:], *drafted]
+        depth = self._follow(generated)
+        mask = self.masks[depth]
+        if mask is None:
+            bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+            mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+            self.masks[depth] = mask
+            self.mask_calls += 1
+            if self.matcher.is_error():
+                raise ConstraintError(f"the constraint's matcher failed "
+                                      f"({one_line(self.matcher.get_error(), 200)})")
+        return mask
+
+    def _follow(self, generated: list[int]) -> int:
+        """Roll the matcher back to what it shares with ``generated``, consume the rest up to
+        a refused token; how many of ``generated`` are consumed."""
+        shared = 0
+        for a, b in zip(self.path, generated):
+            if a != b:
+                break
+            shared += 1
+        if shared < len(self.path):
+            self.matcher.rollback(len(self.path) - shared)
+            del self.path[shared:]
+            del self.masks[shared + 1:]
+        for token in generated[shared:]:
+            mask = self.masks[len(self.path)]
+            if token in self.eos_token_ids or (
+                    mask is not None and not (0 <= token < len(mask) and mask[token])):
+                break  # EOS ends the text; refused: rows past either are never read
+            if not self.matcher.consume_token(token):
+                raise ConstraintError(f"the constraint's matcher refused token {token} "
+                                      f"({one_line(self.matcher.get_error(), 160)})")
+            self.path.append(token)
+            self.masks.append(None)
+        return len(self.path)
+
+
+class ConstrainedRows:
+    """The request's repetition penalties (penalties.Penalties) and then its grammar, applied
+    to a row where the penalties alone were: the same ``rows``/``row`` interface, so that the
+    target's rows and a draft model's are processed alike."""
+
+    def __init__(self, penalties, grammar: Grammar):
+        self.penalties, self.grammar = penalties, grammar
+
+    @property
+    def active(self) -> bool:
+        return True
+
+    def rows(self, logits: np.ndarray, committed: list[int], drafted: Sequence[int] = ()
+             ) -> np.ndarray:
+        out = np.array(self.penalties.rows(logits, committed, drafted), dtype=np.float32)
+        for i, row in enumerate(out):
+            row[~self.grammar.allowed(committed, drafted[:i])[: len(row)]] = -np.inf
+        return out
+
+    def row(self, logits: np.ndarray, committed: list[int], drafted: Sequence[int],
+            token_ids: np.ndarray | None = None) -> np.ndarray:
+        out = np.array(self.penalties.row(logits, committed, drafted, token_ids),
+                       dtype=np.float32)
+        allowed = self.grammar.allowed(committed, drafted)
+        out[~(allowed[token_ids] if token_ids is not None else allowed[: len(out)])] = -np.inf
+        return out
