@@ -24,7 +24,7 @@ times the context window).
 
     parent -> child   {"package", "template", "name", "max_chars", "max_ids",
                        "special_tokens"}   (once; package None: render to text, no tokenizer)
-    parent -> child   {"encode": text} | {"render": messages} | {"decode": ids}
+    parent -> child   {"encode": text} | {"render": messages, "tools": tools} | {"decode": ids}
     child  -> parent  {"ids": [...]} | {"count": n} (more than max_ids) | {"text": ...}
                       | {"error": ..., "kind": "template"|"native"}
 """
@@ -93,9 +93,9 @@ class BoundedText:
         """As TextProcess.encode."""
         return self._ask({"encode": text}, "tokenizer")
 
-    def render(self, messages: list[dict]) -> list[int]:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """As TextProcess.render."""
-        return self._ask({"render": messages}, "template")
+        return self._ask({"render": messages, "tools": tools}, "template")
 
     def render_text(self, messages: list[dict]) -> str:
         """The conversation as text, without a package (``package`` None: a checkpoint's
@@ -265,7 +265,7 @@ class _Child:
             try:
                 if self.template is None:
                     raise ChatTemplateError(self.compile_error or "the package has no template")
-                text = render_chat(self.template, request["render"])
+                text = render_chat(self.template, request["render"], request.get("tools"))
             except (ChatTemplateError, GenerationError) as e:
                 return {"error": str(e), "kind": "template"}
             if self.tokenizer is None:

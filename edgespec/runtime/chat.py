@@ -46,6 +46,9 @@ def check_messages(messages: Sequence[dict]) -> list[dict]:
             'messages must be a non-empty list of {"role": ..., "content": ...} dicts, got '
             f"{type(messages).__name__}{' (empty)' if not messages else ''}")
     for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("content") is None and isinstance(
+                message.get("tool_calls"), list):  # an assistant's calls, with no text
+            continue
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
             raise GenerationError(
@@ -54,17 +57,19 @@ def check_messages(messages: Sequence[dict]) -> list[dict]:
     return list(messages)
 
 
-def render_chat(template: ChatTemplate, messages: Sequence[dict]) -> str:
+def render_chat(template: ChatTemplate, messages: Sequence[dict],
+                tools: list[dict] | None = None) -> str:
     """The conversation as text, ending where the assistant's answer starts; its special
-    tokens are written by the template, so the text is tokenized without the tokenizer's."""
-    return template.render(check_messages(messages))
+    tokens are written by the template, so the text is tokenized without the tokenizer's.
+    ``tools``: the functions offered (runtime/tools.py), rendered by the template."""
+    return template.render(check_messages(messages), tools)
 
 
 def chat_prompt_ids(template: ChatTemplate, text: BoundedText,
-                    messages: Sequence[dict]) -> list[int]:
+                    messages: Sequence[dict], tools: list[dict] | None = None) -> list[int]:
     """The conversation rendered (``render_chat``) and tokenized without special tokens, in
     ``text``'s bounded child process."""
-    ids = text.render(check_messages(messages))
+    ids = text.render(check_messages(messages), tools)
     if not ids:
         raise GenerationError(f"the chat template {template.name} rendered the conversation "
                               "as no tokens at all")

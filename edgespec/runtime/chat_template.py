@@ -147,13 +147,15 @@ class ChatTemplate:
                                     "re-export the pair") from None
         return cls(source, manifest.special_tokens, Path(manifest.chat_template).name, max_chars)
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The conversation as the prompt text, ending where the assistant's answer starts;
-        any fault of the template, or output past ``max_chars``, is a ChatTemplateError."""
+        any fault of the template, or output past ``max_chars``, is a ChatTemplateError.
+        ``tools``: the functions the model may call, as transformers passes them
+        (``[{"type": "function", "function": {...}}]``), None: none."""
         pieces, size = [], 0
         try:
             for piece in self.template.generate(
-                    messages=messages, add_generation_prompt=True, tools=None, documents=None,
+                    messages=messages, add_generation_prompt=True, tools=tools, documents=None,
                     **self.special_tokens):
                 size += len(piece)
                 if size > self.max_chars:

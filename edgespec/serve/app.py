@@ -34,10 +34,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from edgespec.config import FORMER_SETTINGS, resolve_sampling
+from edgespec.config import FORMER_SETTINGS, Constraint, resolve_sampling
 from edgespec.errors import EdgespecError
 from edgespec.runtime.inputs import check_ids, text_bounds
 from edgespec.runtime.pipeline import Pipeline
+from edgespec.runtime import tools
 from edgespec.runtime.chat_template import ChatTemplate
 from edgespec.runtime.prefix_cache import PrefixCache
 from edgespec.serve import middleware, prompts
@@ -68,6 +69,7 @@ class Server:
     config: ServeConfig
     worker: Worker
     template: ChatTemplate | None
+    template_source: str | None  # its text: the tool format is read from it
     text: TextProcess  # tokenizing and chat templates, in a child process
     metrics: Metrics
     max_prompt_chars: int  # no text longer, in characters or in UTF-8 bytes, can fit the
@@ -105,7 +107,7 @@ def build_app(pipe: Pipeline, config: ServeConfig | None = None) -> Starlette:
                                     else config.cache_mb << 20)
     metrics.watch_cache(pipe.prefix_cache)
     server = Server(pipe, config.model or pipe.path.resolve().name, config, worker, template,
-                    text, metrics, max_chars, max_bytes)
+                    source, text, metrics, max_chars, max_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -172,13 +174,49 @@ async def chat_completions(server: Server, request: Request) -> Response:
     _check_template(server)
     asked = (_max_tokens(server, body.max_completion_tokens, "max_completion_tokens")
              or _max_tokens(server, body.max_tokens, "max_tokens"))
+    calling = _tool_calling(server, body)  # None without tools
+    messages = [m.as_template_input() for m in body.messages]
+    try:
+        messages = tools.template_messages(messages)
+    except tools.ToolError as e:
+        raise ApiError(400, str(e), "messages") from None
     async with _admitted(server) as job:
-        ids = await prompts.chat_ids(server, body.messages)
+        ids = await prompts.chat_ids(server, messages, body.tools if calling else None)
         # default: the rest of the context window, where OpenAI's models stop too, within the
         # server's cap, so that one chat cannot hold the generation for the whole context
         rest = server.pipe.manifest.max_positions - len(ids)
-        _start(server, job, body, ids, ids, asked or min(server.config.max_tokens, rest))
-    return await _respond(server, request, body, job, chat=True)
+        _start(server, job, body, ids, ids, asked or min(server.config.max_tokens, rest),
+               constraint=calling[1] if calling else None)
+    return await _respond(server, request, body, job, chat=True,
+                          tool_format=calling[0] if calling else None)
+
+
+def _tool_calling(server: Server, body: ChatCompletionRequest
+                  ) -> tuple[tools.ToolFormat, Constraint] | None:
+    """The template's tool format and the grammar of the request's tool_choice over its
+    tools (runtime/tools.py); a 400 for tools the request or the template cannot have."""
+    form = tools.tool_format(server.template_source)
+    if form is None:  # calls in the history need the format too
+        for i, message in enumerate(body.messages):
+            if message.tool_calls or message.role == "tool":
+                field = "tool_calls" if message.tool_calls else "role"
+                raise ApiError(400, f"the chat template of {server.model} has no tool format, "
+                               "so it cannot render tool calls or their results; send them "
+                               "as text", f"messages[{i}].{field}", "unsupported_parameter")
+    if not body.tools:
+        return None
+    if form is None:
+        raise ApiError(400, f"the chat template of {server.model} has no tool format (it "
+                       "writes no <tool_call> blocks or Llama 3 JSON calls), so it cannot be "
+                       "given tools; describe them in a message instead", "tools",
+                       "unsupported_parameter")
+    try:
+        offered = tools.read_tools(body.tools)
+        mode, callable_ = tools.chosen(offered, body.tool_choice)
+    except tools.ToolError as e:
+        raise ApiError(400, str(e), "tools" if "tool_choice" not in str(e) else "tool_choice"
+                       ) from None
+    return form, form.constraint(mode, callable_, body.parallel_tool_calls)
 
 
 async def tokenize(server: Server, request: Request) -> JSONResponse:
@@ -190,7 +228,7 @@ async def tokenize(server: Server, request: Request) -> JSONResponse:
     async with _admitted(server):
         if body.messages is not None:
             _check_template(server)
-            ids = await prompts.chat_ids(server, body.messages)
+            ids = await prompts.chat_ids(server, [m.as_template_input() for m in body.messages])
         else:
             prompts.check_length(server, body.prompt, "prompt")
             ids = await prompts.prompt_ids(server, body.prompt, "prompt")
@@ -310,7 +348,8 @@ def _sampling(server: Server, body: Settings) -> dict:
 
 
 def _start(server: Server, job: Job, body: Settings, prompt: str | list[int],
-           prompt_ids: list[int], max_tokens: int) -> None:
+           prompt_ids: list[int], max_tokens: int, constraint: Constraint | None = None
+           ) -> None:
     """Hand the admitted job its generation. ``prompt``: what the pipeline gets (text, which
     it may heal, or ids), already tokenized as ``prompt_ids``."""
     if server.stopping.is_set():
@@ -324,7 +363,7 @@ def _start(server: Server, job: Job, body: Settings, prompt: str | list[int],
             **_sampling(server, body), **body.drafting(), schedule=body.schedule,
             seed=body.seed, stop=stop, ignore_eos=body.ignore_eos,
             token_healing=body.token_healing,
-            constraint=body.constraint())
+            constraint=constraint or body.constraint())
     except EdgespecError as e:  # the schema checked each setting: what is left is the mix
         raise ApiError(400, str(e)) from None
     job.prompt_tokens = len(prompt_ids)
@@ -332,6 +371,6 @@ def _start(server: Server, job: Job, body: Settings, prompt: str | list[int],
 
 
 async def _respond(server: Server, request: Request, body: Settings, job: Job,
-                   chat: bool) -> Response:
-    reply = Reply(server.model, chat, job.prompt_tokens, server.metrics)
+                   chat: bool, tool_format: tools.ToolFormat | None = None) -> Response:
+    reply = Reply(server.model, chat, job.prompt_tokens, server.metrics, tool_format)
     return await respond(request, body, job, reply)

@@ -58,12 +58,13 @@ async def unless_stopping(server: Server, awaitable: Awaitable):
                        "server_error") from None
 
 
-async def chat_ids(server: Server, messages: list) -> list[int]:
-    """The conversation rendered with the package's chat template and tokenized (in the
-    child process); every fault of the template a 400 naming it."""
+async def chat_ids(server: Server, messages: list[dict], tools: list[dict] | None = None
+                   ) -> list[int]:
+    """The conversation (messages as templates read them) rendered with the package's chat
+    template, ``tools`` offered, and tokenized (in the child process); every fault of the
+    template a 400 naming it."""
     try:
-        ids = await unless_stopping(server, server.text.render(
-            [m.as_template_input() for m in messages]))
+        ids = await unless_stopping(server, server.text.render(messages, tools))
     except ChatTemplateError as e:
         raise ApiError(400, str(e), "messages", "chat_template_error") from None
     except TooManyTokens as e:

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from edgespec.runtime.pipeline import GenerationResult
+from edgespec.runtime.tools import ToolFormat
 from edgespec.serve.errors import ApiError, bug, client_gone, generation_error
 from edgespec.serve.metrics import Metrics
 from edgespec.serve.schemas import Settings
@@ -59,9 +60,11 @@ async def cancel_on_disconnect(request: Request, job: Job) -> None:
 class Reply:
     """OpenAI's response objects for one request: a whole one, or stream chunks."""
 
-    def __init__(self, model: str, chat: bool, prompt_tokens: int, metrics: Metrics):
+    def __init__(self, model: str, chat: bool, prompt_tokens: int, metrics: Metrics,
+                 tool_format: ToolFormat | None = None):
         self.model, self.chat, self.prompt_tokens = model, chat, prompt_tokens
         self.metrics = metrics
+        self.tool_format = tool_format  # the request gave tools: calls are parsed out
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.start = time.perf_counter()
@@ -82,8 +85,15 @@ class Reply:
     def whole(self, result: GenerationResult) -> dict:
         finish = FINISH_REASONS.get(result.stats.finish_reason, "stop")
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "logprobs": None, "finish_reason": finish}
+            message = {"role": "assistant", "content": result.text}
+            if self.tool_format is not None:
+                content, calls = self.tool_format.parse(result.text)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": [call.as_openai() for call in calls]}
+                    finish = "tool_calls"
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": finish}
         else:
             choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish}
         return self._object(self.kind, [choice], usage=self._usage(result),
@@ -109,14 +119,25 @@ class Reply:
                 yield event(self._object(self.chunk_kind, [{
                     "index": 0, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None}]))
+            held = _HeldText(self.tool_format)
             async for item in job:
                 if isinstance(item, str):
                     if first:
                         self.metrics.first_token.observe(time.perf_counter() - self.start)
                         first = False
-                    yield self._chunk(item)
+                    if piece := held.add(item):
+                        yield self._chunk(piece)
                     continue
                 finish = FINISH_REASONS.get(item.stats.finish_reason, "stop")
+                rest, calls = held.finish()
+                if rest:
+                    yield self._chunk(rest)
+                if calls:  # each call whole, in OpenAI's delta shape (index, id, name, args)
+                    finish = "tool_calls"
+                    yield event(self._object(self.chunk_kind, [{
+                        "index": 0, "delta": {"tool_calls": [
+                            {"index": i, **call.as_openai()} for i, call in enumerate(calls)]},
+                        "logprobs": None, "finish_reason": None}]))
                 yield self._chunk(None, finish, edgespec=item.stats.as_dict())
                 if include_usage:
                     yield event(self._object(self.chunk_kind, [], usage=self._usage(item)))
@@ -130,6 +151,44 @@ class Reply:
             watcher.cancel()
             job.cancel()  # the client went away: the generation ends at its next round
         yield "data: [DONE]\n\n"
+
+
+class _HeldText:
+    """A stream's text with tools given: pieces go out as they come while they cannot be part
+    of a call; from where a call may start (hermes: a ``<tool_call>``, or a tail that may
+    become one; llama3: an answer opening with ``{``) the text is held, and at the end parsed
+    into the content not yet sent and the calls."""
+
+    def __init__(self, tool_format: ToolFormat | None):
+        self.format, self.text, self.sent = tool_format, "", 0
+
+    def add(self, piece: str) -> str:
+        self.text += piece
+        if self.format is None:
+            self.sent = len(self.text)
+            return piece
+        if self.format.name == "llama3":
+            if self.text.lstrip()[:1] in ("", "{", "<"):
+                return ""  # may be a call: held
+            safe = len(self.text)
+        else:
+            opener = "<tool_call>"
+            found = self.text.find(opener)
+            safe = found if found >= 0 else next(
+                (len(self.text) - n for n in range(len(opener) - 1, 0, -1)
+                 if self.text.endswith(opener[:n])), len(self.text))
+        out, self.sent = self.text[self.sent:safe], max(self.sent, safe)
+        return out
+
+    def finish(self) -> tuple[str, list]:
+        """(the text not sent yet that is content, the calls)."""
+        if self.format is None:
+            return self.text[self.sent:], []
+        content, calls = self.format.parse(self.text)
+        if not calls:
+            return self.text[self.sent:], []
+        content = content or ""
+        return content[self.sent:] if len(content) > self.sent else "", calls
 
 
 def event(payload: dict) -> str:

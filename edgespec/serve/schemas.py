@@ -191,26 +191,26 @@ class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    # function calling, which edgespec does not render: refused, never dropped in silence
-    tool_calls: list | None = None
-    function_call: dict | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls (runtime/tools.py renders them)
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+    function_call: dict | None = None  # the older form: refused, never dropped in silence
 
     def unsupported(self) -> str | None:
-        """The function-calling field this message carries, or None."""
-        if self.tool_calls:
-            return "tool_calls"
+        """The function-calling field this message carries that edgespec does not take."""
         if self.function_call is not None:
             return "function_call"
         return None
 
     def as_template_input(self) -> dict:
-        """The message as chat templates read it: role and content as one string."""
+        """The message as chat templates read it: role and content as one string, and an
+        assistant's calls or a tool result's id where given."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         message = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
         return message
 
 
@@ -219,23 +219,27 @@ class ChatCompletionRequest(Settings):
 
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
-    tools: list[dict] | None = None
+    tools: list[dict] | None = None  # runtime/tools.py reads them, with the template's format
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
     functions: list[dict] | None = None  # the older names of tools and tool_choice
     function_call: str | dict | None = None
     modalities: list[str] | None = None
     top_logprobs: int | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools or self.tool_choice not in (None, "none"):
-            return "tools", "tools (function calling) are not supported"
+        if self.tool_choice not in (None, "none") and not self.tools:
+            return "tool_choice", "tool_choice is only allowed with tools"
+        if self.tools and self.response_format not in (None, {"type": "text"}):
+            return "response_format", ("response_format and tools each constrain the answer; "
+                                       "give one")
         if self.functions or self.function_call not in (None, "none"):
             return ("functions" if self.functions else "function_call",
                     "functions and function_call (function calling) are not supported")
         for i, message in enumerate(self.messages):
             if field := message.unsupported():
-                return (f"messages[{i}].{field}", f"{field} in messages (function calling) "
-                        "are not supported; send the calls' results as text")
+                return (f"messages[{i}].{field}", f"{field} in messages (the older function "
+                        "calling) is not supported; send tool_calls")
         if self.modalities not in (None, ["text"]):
             return "modalities", 'modalities other than ["text"] are not supported'
         if self.top_logprobs is not None:

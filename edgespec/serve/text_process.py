@@ -48,11 +48,12 @@ class TextProcess:
         passes its limits."""
         return await self._ask({"encode": text}, self.tokenize_timeout_s, "tokenizer")
 
-    async def render(self, messages: list[dict]) -> list[int]:
+    async def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The ids of a conversation rendered with the chat template, tokenized without
         special tokens (the template writes them); TooManyTokens past ``max_ids``; a
         ChatTemplateError naming the template."""
-        return await self._ask({"render": messages}, self.template_timeout_s, "template")
+        return await self._ask({"render": messages, "tools": tools}, self.template_timeout_s,
+                               "template")
 
     async def decode(self, ids: list[int]) -> str:
         """The text of at most ``max_ids`` ids (a ValueError for more: the caller refuses
