@@ -11,6 +11,7 @@ output token-identical with and without drafting, JSON that parses and fits its 
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -31,9 +32,10 @@ pytest.importorskip("llguidance")
 
 LETTERS = "abcde"
 EOS = 5
-# The regular expression, and the tokens it allows at each position (then only the end)
-REGEX = "[ab][bcd][ace]"
-LANGUAGE = ({0, 1}, {1, 2, 3}, {0, 2, 4})
+# The regular expression, and the tokens it allows at each position (then only the end): the
+# second is forced, which the draft model proposes without a run (drafters.propose)
+REGEX = "[ab]c[bcd][ace]"
+LANGUAGE = ({0, 1}, {2}, {1, 2, 3}, {0, 2, 4})
 PROMPT = (1, 2)
 N_SAMPLES = 2000
 
@@ -61,10 +63,11 @@ def constrained_decode(tokenizer, target, draft, config, k: int) -> list[int]:
                       grammar=tokenizer.compile(Constraint("regex", REGEX))):
         out += new
     constrained_decode.drafted += stats.drafted
+    constrained_decode.forced += stats.forced
     return out
 
 
-constrained_decode.drafted = 0
+constrained_decode.drafted = constrained_decode.forced = 0
 
 
 def exact_constrained(target, sampling: SamplingConfig) -> dict[tuple, float]:
@@ -77,12 +80,9 @@ def exact_constrained(target, sampling: SamplingConfig) -> dict[tuple, float]:
         return process_logits(row[None], sampling)[0]
 
     expected = {}
-    for a in LANGUAGE[0]:
-        for b in LANGUAGE[1]:
-            for c in LANGUAGE[2]:
-                text = (a, b, c)
-                expected[(*text, EOS)] = float(np.prod(
-                    [p((*PROMPT, *text[:i]), LANGUAGE[i])[t] for i, t in enumerate(text)]))
+    for text in itertools.product(*LANGUAGE):
+        expected[(*text, EOS)] = float(np.prod(
+            [p((*PROMPT, *text[:i]), LANGUAGE[i])[t] for i, t in enumerate(text)]))
     return expected
 
 
@@ -100,9 +100,10 @@ def constrained_pvalue(tokenizer, sampling: SamplingConfig, k: int = 2) -> float
                          ids=["T=1", "T=0.8 top-k 2", "T=1 penalties"])
 def test_constrained_speculative_sampling_is_the_restricted_target_distribution(
         tokenizer, sampling):
-    constrained_decode.drafted = 0
+    constrained_decode.drafted = constrained_decode.forced = 0
     assert constrained_pvalue(tokenizer, sampling) > ALPHA
-    assert constrained_decode.drafted > 0  # the draft proposed, under the grammar
+    # the draft proposed under the grammar, the forced position without a run
+    assert constrained_decode.drafted > constrained_decode.forced > 0
 
 
 def test_the_check_rejects_a_target_whose_rows_are_not_masked(tokenizer, monkeypatch):
@@ -132,7 +133,7 @@ def test_greedy_constrained_output_is_the_same_whatever_k(tokenizer):
     target, draft = fake_pair(vocab=EOS + 1)
     config = GenerationConfig(max_new_tokens=6)
     alone = constrained_decode(tokenizer, target, None, config, 0)
-    assert len(alone) == 4 and all(t in allowed for t, allowed in zip(alone, LANGUAGE))
+    assert len(alone) == 5 and all(t in allowed for t, allowed in zip(alone, LANGUAGE))
     for k in (1, 2, 4):
         assert constrained_decode(tokenizer, target, draft, config, k) == alone
 
@@ -183,6 +184,7 @@ def test_greedy_json_is_token_identical_with_and_without_drafting(demo, drafter)
         drafted = demo.generate(prompt, max_new_tokens=80, constraint=constraint,
                                 drafter=drafter, draft_length=3, schedule="fixed")
         assert drafted.token_ids == alone.token_ids and drafted.stats.drafted > 0
+        assert drafted.stats.forced > 0  # the schema's keys and quotes, drafted without runs
         if alone.stats.finish_reason == "eos":
             answer = json.loads(alone.text)
             assert set(answer) == {"name", "size", "kind"} and answer["kind"] in ("file",

@@ -42,6 +42,7 @@ from edgespec.config import NO_DRAFTER, GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError
 from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
 from edgespec.runtime.penalties import Penalties
+from edgespec.runtime.grammar import MAX_FORCED
 from edgespec.runtime.sampling import Dist, point_mass, process_row
 from edgespec.runtime.session import ModelSession
 from edgespec.runtime.stats import GenerationStats
@@ -59,6 +60,8 @@ class Drafter:
 
     name: str
     stats: GenerationStats | None = None  # what its work is timed into: one generation's
+    takes_forced = False  # propose: a grammar's forced tokens may skip its runs
+    forced_at: list[bool] = []  # of the last proposals, which the grammar forced
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -109,14 +112,31 @@ class Drafter:
         Greedy (u None): each row's single token (the draft's argmax, or the lookup's point
         mass). Sampling: x_i = F_q_i^-1(u[i, 0]), u: the positions' uniforms ``[>= k, 3]``.
         Stops early at a position with no proposal (the n-gram lookup found no match).
+        Under a constraint (grammar.py), a position where the grammar allows one token is
+        proposed as that token's point mass without running the drafter (``takes_forced``:
+        a drafter whose next run feeds whatever its state lacks), on top of its k (up to
+        grammar.MAX_FORCED more, k = 0 included), so a JSON answer's keys, quotes and braces
+        cost no draft steps; the target still verifies them. ``forced_at`` then says which
+        proposals were forced. ``u`` has a row per proposal it may make.
         """
-        tokens, rows = [], []
-        for i in range(k):
-            q = self.next_row(committed, tokens, sampling, penalties)
+        tokens, rows, self.forced_at = [], [], []
+        forced = getattr(penalties, "forced", None) if self.takes_forced else None
+        own = 0  # the drafter's own proposals, at most k
+        while len(tokens) < k + (MAX_FORCED if forced is not None else 0):
+            token = forced(committed, tokens) if forced is not None else None
+            if token is not None:  # the grammar allows this one token: q = 1, no run
+                q = point_mass(token)
+                self.stats.forced += 1
+            elif own < k:
+                q = self.next_row(committed, tokens, sampling, penalties)
+                own += 1
+            else:
+                break
             if q is None:
                 break
             rows.append(q)
-            tokens.append(int(q.ids[0]) if u is None else q.draw(u[i, 0]))
+            tokens.append(int(q.ids[0]) if u is None else q.draw(u[len(tokens), 0]))
+            self.forced_at.append(token is not None)
         return tokens, rows
 
 
@@ -134,6 +154,7 @@ class ModelDrafter(Drafter):
     """
 
     name = "model"
+    takes_forced = True  # its next run feeds every token its cache lacks
 
     def __init__(self, session: ModelSession, stats: GenerationStats, positions: int | None = None):
         self.session, self.stats = session, stats
@@ -308,6 +329,7 @@ class NgramDrafter(Drafter):
     """
 
     name = "ngram"
+    takes_forced = True  # its index extends over every token it has not seen
 
     def __init__(self, min_n: int, max_n: int, stats: GenerationStats):
         self.index, self.stats = NgramIndex(min_n, max_n), stats

@@ -39,6 +39,11 @@ _LIMITS = dict(initial_lexer_fuel=300_000, step_lexer_fuel=150_000, step_max_ite
                max_lexer_states=50_000, max_grammar_size=50_000, verbose_errors=False)
 
 
+# forced tokens a round may propose beyond the drafter's k (drafters.Drafter.propose): a JSON
+# schema's longest run of keys and punctuation is rarely longer
+MAX_FORCED = 32
+
+
 class ConstraintError(GenerationError):
     """A constraint that cannot be compiled, or an engine that is not installed."""
 
@@ -102,6 +107,7 @@ class Grammar:
         self.path: list[int] = []
         self.masks: list[np.ndarray | None] = [None]
         self.start: int | None = None  # the position of the first generated token
+        self.forced_at: dict[int, int | None] = {}  # depth -> the token forced there
         self.mask_calls = 0
 
     def allowed(self, committed: Sequence[int], drafted: Sequence[int] = ()) -> np.ndarray:
@@ -122,6 +128,23 @@ class Grammar:
                                       f"({one_line(self.matcher.get_error(), 200)})")
         return mask
 
+    def forced(self, committed: Sequence[int], drafted: Sequence[int] = ()) -> int | None:
+        """ConstrainedRows.forced's token, computed once per position of the path."""
+        allowed = self.allowed(committed, drafted)  # the matcher now stands at its depth
+        depth = len(self.path)
+        if depth != len([*committed[self.start:], *drafted]):
+            return None  # past a refused token: nothing is forced there
+        if depth not in self.forced_at:
+            ahead = self.matcher.compute_ff_tokens()
+            token = ahead[0] if ahead else None
+            if token is None and np.count_nonzero(allowed) == 1:
+                token = int(np.flatnonzero(allowed)[0])
+            if token is not None and (token in self.eos_token_ids or not (
+                    0 <= token < len(allowed) and allowed[token])):
+                token = None
+            self.forced_at[depth] = token
+        return self.forced_at[depth]
+
     def _follow(self, generated: list[int]) -> int:
         """Roll the matcher back to what it shares with ``generated``, consume the rest up to
         a refused token; how many of ``generated`` are consumed."""
@@ -134,6 +157,7 @@ class Grammar:
             self.matcher.rollback(len(self.path) - shared)
             del self.path[shared:]
             del self.masks[shared + 1:]
+            self.forced_at = {d: t for d, t in self.forced_at.items() if d <= shared}
         for token in generated[shared:]:
             mask = self.masks[len(self.path)]
             if token in self.eos_token_ids or (
@@ -165,6 +189,15 @@ class ConstrainedRows:
         for i, row in enumerate(out):
             row[~self.grammar.allowed(committed, drafted[:i])[: len(row)]] = -np.inf
         return out
+
+    def forced(self, committed: list[int], drafted: Sequence[int]) -> int | None:
+        """The token the grammar forces after ``committed + drafted``: the first of
+        llguidance's fast-forward tokens (the forced text, canonically tokenized: a schema's
+        keys and punctuation, tokenized as the model's tokenizer writes them), else the one
+        token it allows, if one; None otherwise, and for EOS (the target's to draw). A
+        proposal, never a rule: the target verifies it, so a tokenization it would not choose
+        is rejected like any draft."""
+        return self.grammar.forced(committed, drafted)
 
     def row(self, logits: np.ndarray, committed: list[int], drafted: Sequence[int],
             token_ids: np.ndarray | None = None) -> np.ndarray:

@@ -17,7 +17,7 @@ import numpy as np
 
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.runtime.drafters import Drafter
-from edgespec.runtime.grammar import ConstrainedRows, Grammar
+from edgespec.runtime.grammar import MAX_FORCED, ConstrainedRows, Grammar
 from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
 from edgespec.runtime.penalties import Penalties
 from edgespec.runtime.sampling import process_row
@@ -84,6 +84,15 @@ class Round:
     tokens: list[int]  # 1..drafted+1: the accepted drafts, then a replacement or position k
     drafted: int  # what the drafter proposed: k, or fewer where a lookup ran out
     accepted: int
+    forced: tuple[bool, ...] = ()  # per draft, whether a constraint forced it (no drafter run)
+
+    def own(self) -> tuple[int, int]:
+        """The drafter's own proposals, and how many of them were accepted (forced ones are
+        always accepted: the first rejection is of an own one): what the schedule learns."""
+        if not self.forced:
+            return self.drafted, self.accepted
+        own = [not f for f in self.forced]
+        return sum(own), sum(own[: self.accepted])
 
 
 def speculative_round(
@@ -112,11 +121,14 @@ def speculative_round(
     repetition penalties of the request (penalties.py), None: none.
     """
     greedy = sampling.greedy
-    u = None if greedy else uniforms.rows(len(committed), k + 1)  # [k+1, 3]
+    forcing = getattr(penalties, "forced", None) is not None  # a constraint: forced drafts
+    u = None if greedy else uniforms.rows(len(committed), k + 1 + MAX_FORCED * forcing)
 
-    # 1. the drafter proposes up to k tokens with their rows q (fewer if a lookup runs out)
+    # 1. the drafter proposes up to k tokens with their rows q (fewer if a lookup runs out;
+    #    under a constraint, the grammar's forced tokens besides: drafters.Drafter.propose)
     draft_tokens, q_rows = drafter.propose(committed, k, sampling, u, penalties)
-    k = len(draft_tokens)
+    scheduled, k = k, len(draft_tokens)
+    u = None if greedy else u[: k + 1]  # [k+1, 3]
 
     # 2. target scores the last committed token and the k drafts in one run   logits: [k+1, V]
     #    row i penalized for the text before its token, committed + drafts[:i] (penalties.py)
@@ -140,7 +152,8 @@ def speculative_round(
     #    x = F_q_k^-1(u[k, 0]) tested against p_k (row k) as in step 3; no proposal, or k = 0
     #    (drafting off: a plain target step, the drafter not asked): F_p_k^-1(u[k, 0])
     if next_token is None:
-        q = drafter.next_row(committed, draft_tokens, sampling, penalties) if k else None
+        q = (drafter.next_row(committed, draft_tokens, sampling, penalties)
+             if k and scheduled else None)
         with _timed(stats, "sampling_s"):
             p = process_row(logits[k], sampling)
             next_token = p.draw(u[k, 0]) if q is None else position_token(p, q, u[k])
@@ -150,7 +163,8 @@ def speculative_round(
     keep = len(committed) + n_accepted  # = len(new committed) - 1
     target.cache.crop(keep)
     drafter.rollback(keep)
-    return Round(new_tokens, drafted=k, accepted=n_accepted)
+    return Round(new_tokens, drafted=k, accepted=n_accepted,
+                 forced=tuple(drafter.forced_at) if forcing else ())
 
 
 def constrained_step(
@@ -299,8 +313,9 @@ def _scheduled_round(target: TargetRunner, drafter: Drafter, committed: list[int
     if done.drafted:
         stats.record_round(done.drafted, done.accepted)
     if drafter.drafts:
-        stats.draft_lengths[done.drafted] = stats.draft_lengths.get(done.drafted, 0) + 1
-        schedule.update(done.drafted, n_accepted=done.accepted)
+        own, own_accepted = done.own()
+        stats.draft_lengths[own] = stats.draft_lengths.get(own, 0) + 1
+        schedule.update(own, n_accepted=own_accepted)
     return done.tokens
 
 

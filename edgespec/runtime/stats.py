@@ -32,6 +32,7 @@ class GenerationStats:
     rejected: int = 0  # rounds that ended at a rejected draft token
     target_calls: int = 0
     draft_calls: int = 0
+    forced: int = 0  # of the drafted, tokens a constraint's grammar forced (no drafter run)
     draft_lengths: dict[int, int] = field(default_factory=dict)  # k -> rounds; 0: target step
     accepted_at: list[int] = field(default_factory=list)
     drafted_at: list[int] = field(default_factory=list)
