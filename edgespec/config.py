@@ -73,14 +73,18 @@ class Constraint:
         """A JSON schema given as an object or as its JSON text."""
         import json
 
-        if isinstance(schema, str):
-            try:
+        try:
+            if isinstance(schema, str):
                 schema = json.loads(schema)
-            except ValueError as e:
-                raise ConfigError(f"the JSON schema is not JSON ({e})") from None
-        if not isinstance(schema, (dict, bool)):
-            raise ConfigError(f"a JSON schema is an object, got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema))
+            if not isinstance(schema, (dict, bool)):
+                raise ConfigError(f"a JSON schema is an object, got {type(schema).__name__}")
+            return cls("json_schema", json.dumps(schema))
+        except RecursionError:
+            raise ConfigError("the JSON schema is nested too deeply to read") from None
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(f"the JSON schema is not JSON ({e})") from None
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))  # helpers, reference (NumPy only)
 
 PROMPTS = ("def add(a, b):", "The quick brown", "for i in range(10):\n    print(")
-STATS_SAMPLES = 800
+STATS_SAMPLES = 500
 # The command (JSON list) that runs the tokenizer's child process (runtime/bounded_text.py)
 # under the emulator too: qemu-user does not carry an exec over to the emulator without the
 # kernel's binfmt_misc, and an ARM64 child would not start at all

@@ -37,7 +37,7 @@ EOS = 5
 REGEX = "[ab]c[bcd][ace]"
 LANGUAGE = ({0, 1}, {2}, {1, 2, 3}, {0, 2, 4})
 PROMPT = (1, 2)
-N_SAMPLES = 2000
+N_SAMPLES = 1200
 
 
 @pytest.fixture(scope="module")
@@ -275,3 +275,38 @@ def test_the_cli_takes_a_schema_file_a_regex_or_a_grammar_file(tmp_path):
         assert result.exit_code == 1 and "Traceback" not in result.output
         errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
         assert len(errors) == 1 and said in errors[0], result.output
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+HOSTILE_SCHEMAS = {
+    "unknown_type": {"type": "nonsense"},
+    "bad_regex": {"type": "string", "pattern": "(unclosed"},
+    "deeply_nested": _nested(5000),
+    "huge_enum": {"enum": [f"value {i} " * 20 for i in range(20_000)]},
+    "exploding_alternatives": {"anyOf": [{"type": "string", "pattern": f"(a|b){{{i},{i + 50}}}x"}
+                                         for i in range(200)]},
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_SCHEMAS))
+def test_hostile_schemas_are_refused_in_bounded_time(demo, case):
+    """A schema from any web page: invalid, nested 5,000 deep, an enum of megabytes, a union
+    whose automaton explodes: a ConstraintError or ConfigError (the server's 400) within a few
+    seconds, never a crash, and the pipeline answers the next request."""
+    import time
+
+    schema = HOSTILE_SCHEMAS[case]
+    start = time.perf_counter()
+    try:
+        constraint = Constraint.json_schema(schema)
+        demo.generate("x", max_new_tokens=4, constraint=constraint, drafter="none")
+    except (ConstraintError, ConfigError) as e:
+        assert "\n" not in str(e)
+    assert time.perf_counter() - start < 30
+    assert demo.generate("x", max_new_tokens=2, drafter="none").stats.new_tokens == 2

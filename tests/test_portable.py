@@ -59,6 +59,7 @@ class Emulated:
 
     def command(self) -> list[str]:
         """The prefix that runs this machine's Python (x86-64) or the userland's under it."""
+        _wait_for_setup()
         if self.arch == "x86_64":
             if platform.machine() != "x86_64" or not shutil.which("qemu-x86_64"):
                 self._missing("qemu-x86_64 on an x86-64 machine (apt-get install qemu-user)")
@@ -87,6 +88,26 @@ class Emulated:
         if REQUIRED:
             pytest.fail(message)
         pytest.skip(message)
+
+
+def _wait_for_setup(limit_s: float = 900) -> None:
+    """Where qemu and the userland are being made in the background (.ci/run), wait for the
+    file EDGESPEC_EMULATION_SETUP that then holds the setup's exit status; fail on a bad one."""
+    import time
+
+    status = os.environ.get("EDGESPEC_EMULATION_SETUP")
+    if not status:
+        return
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(status):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the emulation setup did not end within {limit_s:g} s ({status}.log)")
+        time.sleep(2)
+    code = Path(status).read_text().strip()
+    if code != "0":
+        log = Path(status + ".log")
+        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        pytest.fail(f"the emulation setup failed (exit {code}): {tail}")
 
 
 _N1 = ("fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc "
