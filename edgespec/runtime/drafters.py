@@ -61,7 +61,7 @@ class Drafter:
     name: str
     stats: GenerationStats | None = None  # what its work is timed into: one generation's
     takes_forced = False  # propose: a grammar's forced tokens may skip its runs
-    forced_at: list[bool] = []  # of the last proposals, which the grammar forced
+    forced_at: Sequence[bool] = ()  # of the last proposals, which the grammar forced
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -112,8 +112,8 @@ class Drafter:
         Greedy (u None): each row's single token (the draft's argmax, or the lookup's point
         mass). Sampling: x_i = F_q_i^-1(u[i, 0]), u: the positions' uniforms ``[>= k, 3]``.
         Stops early at a position with no proposal (the n-gram lookup found no match).
-        Under a constraint (grammar.py), a position where the grammar allows one token is
-        proposed as that token's point mass without running the drafter (``takes_forced``:
+        Under a constraint (grammar.py), a position whose text the grammar forces is
+        proposed as its forced token's point mass without running the drafter (``takes_forced``:
         a drafter whose next run feeds whatever its state lacks), on top of its k (up to
         grammar.MAX_FORCED more, k = 0 included), so a JSON answer's keys, quotes and braces
         cost no draft steps; the target still verifies them. ``forced_at`` then says which
@@ -124,7 +124,7 @@ class Drafter:
         own = 0  # the drafter's own proposals, at most k
         while len(tokens) < k + (MAX_FORCED if forced is not None else 0):
             token = forced(committed, tokens) if forced is not None else None
-            if token is not None:  # the grammar allows this one token: q = 1, no run
+            if token is not None:  # the grammar forces this token: q = 1, no run
                 q = point_mass(token)
                 self.stats.forced += 1
             elif own < k:

@@ -107,7 +107,7 @@ class Grammar:
         self.path: list[int] = []
         self.masks: list[np.ndarray | None] = [None]
         self.start: int | None = None  # the position of the first generated token
-        self.forced_at: dict[int, int | None] = {}  # depth -> the token forced there
+        self.forced_by_depth: dict[int, int | None] = {}  # depth -> the token forced there
         self.mask_calls = 0
 
     def allowed(self, committed: Sequence[int], drafted: Sequence[int] = ()) -> np.ndarray:
@@ -132,9 +132,9 @@ class Grammar:
         """ConstrainedRows.forced's token, computed once per position of the path."""
         allowed = self.allowed(committed, drafted)  # the matcher now stands at its depth
         depth = len(self.path)
-        if depth != len([*committed[self.start:], *drafted]):
-            return None  # past a refused token: nothing is forced there
-        if depth not in self.forced_at:
+        if depth != len(committed) - self.start + len(drafted):
+            return None  # past a refused token or EOS: nothing is forced there
+        if depth not in self.forced_by_depth:
             ahead = self.matcher.compute_ff_tokens()
             token = ahead[0] if ahead else None
             if token is None and np.count_nonzero(allowed) == 1:
@@ -142,8 +142,8 @@ class Grammar:
             if token is not None and (token in self.eos_token_ids or not (
                     0 <= token < len(allowed) and allowed[token])):
                 token = None
-            self.forced_at[depth] = token
-        return self.forced_at[depth]
+            self.forced_by_depth[depth] = token
+        return self.forced_by_depth[depth]
 
     def _follow(self, generated: list[int]) -> int:
         """Roll the matcher back to what it shares with ``generated``, consume the rest up to
@@ -157,7 +157,7 @@ class Grammar:
             self.matcher.rollback(len(self.path) - shared)
             del self.path[shared:]
             del self.masks[shared + 1:]
-            self.forced_at = {d: t for d, t in self.forced_at.items() if d <= shared}
+            self.forced_by_depth = {d: t for d, t in self.forced_by_depth.items() if d <= shared}
         for token in generated[shared:]:
             mask = self.masks[len(self.path)]
             if token in self.eos_token_ids or (

@@ -87,8 +87,8 @@ class Round:
     forced: tuple[bool, ...] = ()  # per draft, whether a constraint forced it (no drafter run)
 
     def own(self) -> tuple[int, int]:
-        """The drafter's own proposals, and how many of them were accepted (forced ones are
-        always accepted: the first rejection is of an own one): what the schedule learns."""
+        """The drafter's own proposals, and how many of them the accepted prefix holds: what
+        the schedule learns (forced proposals cost it nothing, so they are not its to count)."""
         if not self.forced:
             return self.drafted, self.accepted
         own = [not f for f in self.forced]
