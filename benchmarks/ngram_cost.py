@@ -8,6 +8,12 @@ unfolds the sequence every step) is timed beside it for scale.
 
     python benchmarks/ngram_cost.py                       # contexts 512..8192, k = 8
     python benchmarks/ngram_cost.py --contexts 4096 --k 4 --rounds 2000
+    python benchmarks/ngram_cost.py --memory 100000      # the index's memory and build time
+
+``--memory N`` builds the index (n = 1..3) of N tokens of hostile and ordinary kinds: one token
+repeated N times, random ids from a 49,152-token vocabulary (every n-gram new: the most keys),
+and the copied-spans text; it prints the seconds, the bytes tracemalloc counts and the bytes
+per (token, n) entry that drafters.INDEX_BYTES_PER_ENTRY should cover.
 
 Text: random ids from a 4096-token vocabulary with copied spans (a quarter of the text repeats
 earlier stretches), so lookups both match and miss.
@@ -59,7 +65,7 @@ def measure(context: int, k: int, rounds: int, seed: int = 0) -> dict:
     for r in range(rounds):
         committed = text[:length]
         start = time.perf_counter()
-        drafted, _ = drafter.propose(committed, k, greedy, None)
+        drafted = drafter.propose(committed, k, greedy, None).tokens
         middle = time.perf_counter()
         # as verification would: keep the drafts that match the text (untimed), roll back
         kept = next((i for i, t in enumerate(drafted) if t != text[length + i]), len(drafted))
@@ -82,12 +88,37 @@ def measure(context: int, k: int, rounds: int, seed: int = 0) -> dict:
     }
 
 
+def memory(n: int) -> None:
+    import tracemalloc
+
+    from edgespec.runtime.drafters import INDEX_BYTES_PER_ENTRY, NgramIndex
+
+    rng = np.random.default_rng(0)
+    texts = {"one token repeated": [7] * n,
+             "random, 49k vocabulary": rng.integers(0, 49152, size=n).tolist(),
+             "copied spans, 4k vocabulary": make_text(n, 4096, rng)}
+    print(f"{'text':>28} {'tokens':>7} {'build s':>7} {'MB':>6} {'B/entry':>7} "
+          f"(INDEX_BYTES_PER_ENTRY {INDEX_BYTES_PER_ENTRY})")
+    for name, text in texts.items():
+        tracemalloc.start()
+        index, start = NgramIndex(1, 3), time.perf_counter()
+        index.extend(text)
+        seconds = time.perf_counter() - start
+        held = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        print(f"{name:>28} {n:>7} {seconds:>7.2f} {held / 1e6:>6.1f} {held / (3 * n):>7.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--contexts", default="512,1024,4096,8192")
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=1000)
+    parser.add_argument("--memory", type=int, metavar="N")
     args = parser.parse_args()
+    if args.memory:
+        memory(args.memory)
+        return
     print(f"{'context':>8} {'prefill ms':>10} {'round us':>9} {'proposed':>8} "
           f"{'us/lookup':>9} {'scan us/lookup':>14}")
     for context in (int(c) for c in args.contexts.split(",")):

@@ -38,7 +38,7 @@ class Row:
     """One configuration's medians."""
 
     temperature: float
-    drafter: str  # "model", "eagle3" or "ngram": what drafted (runtime/drafters.py)
+    drafter: str  # "mixed", "model", "eagle3" or "ngram": what drafted (runtime/drafters.py)
     schedule: str
     draft_length: int  # k when fixed; the starting or largest k otherwise
     baseline_tokens_per_s: float
@@ -54,6 +54,9 @@ class Row:
     draft_step_ms: float  # in the speculative runs
     verify_ms: float  # a target run on up to k+1 tokens, in the speculative runs
     runs: int
+    # per source of proposals ("model", "ngram", "forced"): [proposed, accepted, seconds of its
+    # runs] over every run (the mixed drafter's two, chosen per round)
+    sources: dict[str, list[float]] = field(default_factory=dict)
 
 
 # ``edgespec bench --quick``: a first look in about two minutes on an idle 2-core machine with
@@ -162,7 +165,7 @@ def check_drafters(pipe: Pipeline, config: BenchConfig) -> None:
     """Refuse, before any run, a drafter the package lacks (the draft model of a target-only
     package)."""
     for drafter in config.drafters:
-        resolve_drafter(GenerationConfig(drafter=drafter), has_draft=pipe.draft is not None)
+        resolve_drafter(GenerationConfig(drafter=drafter), pipe.draft)
 
 
 def total_runs(config: BenchConfig, prompts: int) -> int:
@@ -204,6 +207,8 @@ def summarise(temperature: float, drafter: str, schedule: str, draft_length: int
         draft_step_ms=draft_ms,
         verify_ms=verify_ms,
         runs=len(pairs),
+        sources={source: [n, spec.accepted_by.get(source, 0), spec.draft_s_by.get(source, 0.0)]
+                 for source, n in spec.drafted_by.items()},
     )
 
 
@@ -310,6 +315,16 @@ def format_table(report: BenchReport) -> str:
             f"{r.alpha:>5.2f} {r.tokens_per_target_call:>8.2f} {r.target_step_ms:>5.2f} "
             f"{r.draft_step_ms:>5.2f} {r.verify_ms:>6.2f} {expected}"
         )
+    mixed = [r for r in report.rows if len(r.sources) > 1]
+    if mixed:
+        lines += ["", "proposals by source (proposed, accepted, seconds of its runs), "
+                  "over every run of the row:"]
+        for r in mixed:
+            shares = ", ".join(f"{source} {n:.0f} at {accepted / n:.0%} in {seconds:.2f}s"
+                               for source, (n, accepted, seconds) in sorted(
+                                   r.sources.items(), key=lambda item: -item[1][0]))
+            lines.append(f"{r.temperature:>5.2g} {r.drafter:>7} {r.schedule:>9} "
+                         f"{r.draft_length:>3}: {shares}")
     return "\n".join(lines)
 
 

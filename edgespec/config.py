@@ -36,6 +36,12 @@ MAX_GAMMA = MAX_DRAFT_LENGTH  # its former name, kept for callers that import it
 # The adaptive schedule's largest k: it calibrates a target run on every length up to k + 1,
 # and past 16 drafted tokens a round's expected yield barely grows (0.9^17 = 0.17).
 ADAPTIVE_MAX_K = 16
+# The most tokens a text match proposes in one round (runtime/drafters.py's MixedDrafter). Its
+# proposals cost microseconds, so a long copy is verified at the length it deserves; the
+# adaptive schedule's calibration also times target runs on TEXT_MAX_K / 2 + 1 and
+# TEXT_MAX_K + 1 tokens for it. Past 32, one target run on a CPU costs more per token than the
+# chance that a copy goes on unbroken pays back.
+TEXT_MAX_K = 32
 # the former names of two settings, still accepted (deprecated), and what each now is
 FORMER_SETTINGS = {"gamma": "draft_length", "use_draft": 'drafter="none"'}
 

@@ -72,7 +72,7 @@ class RandomSchedule:
 
 def fake_drafter(draft, config: GenerationConfig, stats: GenerationStats, prompt) -> Drafter:
     """The drafter a request gets, as the pipeline makes it (draft: a fake session or None)."""
-    name = resolve_drafter(config, has_draft=draft is not None)
+    name = resolve_drafter(config, draft)
     return make_drafter(name, draft, config, stats, request_positions(len(prompt), config))
 
 

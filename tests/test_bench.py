@@ -47,7 +47,7 @@ def test_alpha_counts_only_the_draft_tokens_verification_looked_at():
 def test_a_short_bench_reports_every_configuration(packages):
     pipe = edgespec.load(packages["llama_noisy"])
     config = BenchConfig(draft_lengths=(1, 3), temperatures=(0.0, 1.0), max_new_tokens=16,
-                         repeats=2, schedules=("fixed", "heuristic"))
+                         repeats=2, schedules=("fixed", "heuristic"), drafters=("model",))
     calls = []
     report = run_bench(pipe, ["def add(a, b):", "The quick"], config, progress=calls.append)
     assert calls[-1] == 2 * 2 * 2 * 4

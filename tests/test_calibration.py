@@ -12,7 +12,7 @@ from edgespec.models import demo_package
 from edgespec.runtime import calibration
 from edgespec.runtime.schedule import StepCosts
 
-COSTS = StepCosts(0.25, (2.5, 2.9, 3.1))
+COSTS = StepCosts(0.25, (2.5, 2.9, 3.1), ((17, 9.0), (33, 16.5)))
 
 
 def test_costs_round_trip_under_their_key(tmp_path):
@@ -20,6 +20,10 @@ def test_costs_round_trip_under_their_key(tmp_path):
     assert calibration.store_costs("k", COSTS, tmp_path)
     assert calibration.load_costs("k", 2, tmp_path) == COSTS
     assert calibration.load_costs("other", 2, tmp_path) is None
+    # an entry made before the long runs were timed is measured again, not read short
+    calibration.store_entry("old", {"draft_step_ms": 0.25, "target_ms": [2.5, 2.9, 3.1]},
+                            tmp_path)
+    assert calibration.load_costs("old", 2, tmp_path) is None
     assert [p.name for p in tmp_path.iterdir()] == [calibration.FILE_NAME]  # no temp file left
 
 

@@ -81,10 +81,10 @@ def test_the_drafter_proposal_depends_on_the_prefix_only():
     used = NgramDrafter(1, 3, GenerationStats(speculative=True))
     used.prefill(text[:10])
     for cut in range(10, 50, 3):
-        drafted, _ = used.propose(text[:cut], 5, SamplingConfig(), None)
+        drafted = used.propose(text[:cut], 5, SamplingConfig(), None).tokens
         fresh = NgramDrafter(1, 3, GenerationStats(speculative=True))
         fresh.prefill(text[:cut])
-        assert fresh.propose(text[:cut], 5, SamplingConfig(), None)[0] == drafted
+        assert fresh.propose(text[:cut], 5, SamplingConfig(), None).tokens == drafted
         used.rollback(cut - 2)  # as a round that kept part of its drafts
     assert used.stats.draft_calls > 0 and used.stats.draft_s > 0
 
@@ -97,11 +97,11 @@ def test_drafter_settings_are_validated():
     with pytest.raises(ConfigError, match=r"ngram_min must be an integer in 1..ngram_max \(2\)"):
         GenerationConfig(ngram_min=3, ngram_max=2)
     with pytest.raises(ConfigError, match="target only; use drafter ngram or none"):
-        resolve_drafter(GenerationConfig(drafter="model"), has_draft=False)
-    assert resolve_drafter(GenerationConfig(), has_draft=False) == "ngram"
-    assert resolve_drafter(GenerationConfig(), has_draft=True) == "model"
+        resolve_drafter(GenerationConfig(drafter="model"), None)
+    assert resolve_drafter(GenerationConfig(), None) == "ngram"
+    assert resolve_drafter(GenerationConfig(), object()) == "mixed"  # a draft model
     with pytest.warns(DeprecationWarning):  # the former way to say drafter="none"
-        assert resolve_drafter(GenerationConfig(drafter="ngram", use_draft=False), True) == "none"
+        assert resolve_drafter(GenerationConfig(drafter="ngram", use_draft=False), object()) == "none"
 
 
 def test_a_drafter_without_a_name_is_refused_where_it_is_defined():
@@ -169,15 +169,16 @@ class CopyOnDrafter(NgramDrafter):
     vLLM's lookups propose, but not a function of the prefix: it depends on where the round
     began, so k changes the text)."""
 
-    def propose(self, committed, k, sampling_config, u, penalties=None):
-        tokens, rows = super().propose(committed, 1, sampling_config, u)
+    def propose(self, committed, k, sampling_config, u, penalties=None, limit=None):
+        tokens = super().propose(committed, 1, sampling_config, u).tokens
         if tokens:
             self.rollback(len(committed))
             text = self.index.tokens
             end = next(e for e in range(len(text) - 1, 0, -1)  # the latest match, any length
                        if text[e - 1] == text[-1] and text[e] == tokens[0])
             tokens = text[end : end + k]
-        return tokens, [sampling.point_mass(t) for t in tokens]
+        return drafters.Proposal(tokens, [sampling.point_mass(t) for t in tokens],
+                                 (self.name,) * len(tokens))
 
 
 def test_the_same_text_check_fails_for_a_drafter_that_copies_on_from_one_match(monkeypatch):

@@ -108,7 +108,7 @@ def test_after_verification_the_head_reruns_the_committed_rows_on_target_feature
                            GenerationStats(speculative=True), positions=64)
     runner = speculative._prefill(pipe.target, drafter, list(ids), 64,
                                   GenerationStats(speculative=True))
-    drafts, _ = drafter.propose(list(ids), 3, SamplingConfig(temperature=0.0), None)
+    drafts = drafter.propose(list(ids), 3, SamplingConfig(temperature=0.0), None).tokens
     assert len(drafts) == 3
     runner.run(list(ids), drafts)  # the target's features of positions c-1..c+2
     replacement = (drafts[1] + 1) % pipe.manifest.vocab_size

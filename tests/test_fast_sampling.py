@@ -419,7 +419,7 @@ def test_the_nucleus_rule_is_strict_and_keeps_ties():
 def test_the_text_depends_on_the_seed_not_on_the_draft_lengths(setting):
     for seed in range(4):
         config = GenerationConfig(max_new_tokens=24, sampling=SAMPLED_AND_PENALIZED[setting],
-                                  seed=seed, draft_length=4)
+                                  seed=seed, draft_length=4, drafter="model")
         texts = {
             name: fake_decode(*fake_pair(), config, schedule)
             for name, schedule in {

@@ -159,8 +159,22 @@ def test_calibration_is_bounded_whatever_the_budget():
     target, draft = _CountingSession(), _CountingSession()
     costs = calibrate(target, draft, context=32, kmax=16, budget_s=0.0)
     assert costs.kmax == 16
-    # one prefill, then 3 timed runs of each length (the first length twice: warm-up)
-    assert target.runs == [32, *[1] * 3, *[n for n in range(1, 18) for _ in range(3)]]
+    # one prefill, then 3 timed runs of each length (the first length twice: warm-up), the
+    # long runs past kmax + 1 among them
+    lengths = [*range(1, 18), 33]
+    assert target.runs == [32, *[1] * 3, *[n for n in lengths for _ in range(3)]]
+    assert costs.long_ms and [n for n, _ in costs.long_ms] == [33]
     target = _CountingSession()
     calibrate(target, _CountingSession(), context=32, kmax=4, budget_s=1e9)
-    assert len(target.runs) == 1 + 20 * 6  # at most 20 runs of each length, however long
+    assert len(target.runs) == 1 + 20 * 8  # at most 20 runs of each length, however long
+
+
+def test_a_long_run_costs_what_the_measured_lengths_around_it_say():
+    from edgespec.runtime.schedule import StepCosts
+
+    costs = StepCosts(1.0, (10.0, 11.0, 12.0), ((17, 26.0), (33, 50.0)))
+    assert costs.verify_ms(2) == 11.0  # measured
+    assert costs.verify_ms(10) == 12.0 + 14.0 * 7 / 14  # between 3 and 17
+    assert costs.verify_ms(25) == 26.0 + 24.0 * 8 / 16  # between 17 and 33
+    assert costs.verify_ms(41) == 50.0 + 24.0 * 8 / 16  # along the last two
+    assert StepCosts(1.0, (10.0, 11.0)).verify_ms(9) == 11.0  # nothing longer measured

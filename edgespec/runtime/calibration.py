@@ -28,7 +28,7 @@ import platformdirs
 
 from edgespec.manifest import MANIFEST_NAME
 from edgespec.runtime.machine import cpu_model, instruction_sets, onnxruntime_build, usable_cores
-from edgespec.runtime.schedule import StepCosts
+from edgespec.runtime.schedule import LONG_RUNS, StepCosts
 
 FILE_NAME = "calibration.json"
 FORMAT = 1
@@ -93,18 +93,22 @@ def load_costs(key: str, kmax: int, folder: Path | None = None) -> StepCosts | N
     try:
         draft_ms = float(entry["draft_step_ms"])
         target_ms = tuple(float(t) for t in entry["target_ms"])
+        long_ms = tuple((int(n), float(t)) for n, t in entry["long_ms"])
     except (TypeError, KeyError, ValueError):
         return None
-    times = (draft_ms, *target_ms)
-    if len(target_ms) != kmax + 1 or not all(0 <= t < math.inf for t in times) or not any(times):
+    times = (draft_ms, *target_ms, *(t for _, t in long_ms))
+    if (len(target_ms) != kmax + 1 or [n for n, _ in long_ms] != [
+            n for n in LONG_RUNS if n > kmax + 1]
+            or not all(0 <= t < math.inf for t in times) or not any(times)):
         return None
-    return StepCosts(draft_ms, target_ms)
+    return StepCosts(draft_ms, target_ms, long_ms)
 
 
 def store_costs(key: str, costs: StepCosts, folder: Path | None = None) -> bool:
     """Add ``costs`` under ``key``; False if the folder cannot be written (nothing changes)."""
     return store_entry(key, {"draft_step_ms": costs.draft_step_ms,
-                             "target_ms": list(costs.target_ms)}, folder)
+                             "target_ms": list(costs.target_ms),
+                             "long_ms": [list(point) for point in costs.long_ms]}, folder)
 
 
 def store_entry(key: str, entry: dict, folder: Path | None = None) -> bool:

@@ -20,6 +20,12 @@ whatever fixed k. The model and n-gram drafters have it; the EAGLE-3 head does n
   ngram_max down to ngram_min, looked up earlier in the text; the token that followed their
   latest earlier occurrence is proposed, as a point mass. The lookup is fresh at every
   position, drafts included, so a proposal depends on the prefix alone.
+- ``MixedDrafter``: the two above, chosen per round (the default where a package has a draft
+  model): the text's continuation where it promises more tokens per millisecond than the
+  draft model, the draft model where it does not, or the text's continuation extended by the
+  draft model, from the measured step costs and each source's measured acceptance. The
+  choice depends on verified rounds only, so the output stays exact; a proposal then depends
+  on where the round began, so one seed gives one text per schedule, not whatever k.
 - ``NoDrafter``: never proposes: target-only decoding.
 - ``Eagle3Drafter``: an EAGLE-3 head (export/eagle3.py) reading the target's own features.
   Its proposal for position n reads the target's feature of n - 2 when the target has run
@@ -35,17 +41,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from edgespec.config import NO_DRAFTER, GenerationConfig, SamplingConfig
+from edgespec.config import NO_DRAFTER, TEXT_MAX_K, GenerationConfig, SamplingConfig
 from edgespec.errors import ConfigError
 from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
 from edgespec.runtime.penalties import Penalties
 from edgespec.runtime.grammar import MAX_FORCED
 from edgespec.runtime.sampling import Dist, point_mass, process_row
+from edgespec.runtime.schedule import AcceptanceEstimate, StepCosts
 from edgespec.runtime.session import ModelSession
 from edgespec.runtime.stats import GenerationStats
+
+FORCED = "forced"  # the source of a proposal a constraint's grammar forced (no drafter ran)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What a drafter proposed for a round: the tokens, the rows they were drawn from, and per
+    token its source (the name of the drafter that proposed it, or FORCED)."""
+
+    tokens: list[int]
+    rows: list[Dist]
+    sources: tuple[str, ...]
 
 
 class Drafter:
@@ -61,7 +81,6 @@ class Drafter:
     name: str
     stats: GenerationStats | None = None  # what its work is timed into: one generation's
     takes_forced = False  # propose: a grammar's forced tokens may skip its runs
-    forced_at: Sequence[bool] = ()  # of the last proposals, which the grammar forced
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -74,14 +93,40 @@ class Drafter:
         """Whether it can propose anything: False for target-only decoding."""
         return self.name != NO_DRAFTER
 
+    @property
+    def paced(self) -> str:
+        """The source whose proposals the schedule counts and paces (its k): its own."""
+        return self.name
+
     def prefill(self, prompt: list[int]) -> None:
         """Take in the prompt before the first round (the model: all but its last token), from
         where its state ends: a kept drafter (prefix_cache.py) covers a prefix of it already."""
 
-    def count_into(self, stats: GenerationStats) -> None:
-        """Time its work into ``stats`` from now on: a kept drafter goes on with the next
-        generation (prefix_cache.py)."""
+    def begin(self, stats: GenerationStats, costs: StepCosts | None = None) -> None:
+        """Start a generation: time its work into ``stats`` from now on (a kept drafter goes on
+        with the next generation: prefix_cache.py); ``costs``: the measured step costs, for a
+        drafter that weighs its sources by them (None: no costs were measured)."""
         self.stats = stats
+
+    def most(self, k: int) -> int:
+        """The most proposals of its own a round asked for k may get (forced ones aside)."""
+        return k
+
+    def observe(self, committed: list[int], tokens: Sequence[int], sources: Sequence[str],
+                accepted: int) -> None:
+        """Learn from a verified round that followed ``committed``: it committed ``tokens``
+        (the target's), of proposals from ``sources``, ``accepted`` of them accepted."""
+
+    def _timed(self, start: float, middle: float | None = None) -> None:
+        """Count one run of its own that began at ``start``, and its row processing from
+        ``middle`` on, into the stats (``draft_s``, ``sampling_s``, per source too)."""
+        now = time.perf_counter()
+        ran = (middle or now) - start
+        self.stats.draft_s += ran
+        self.stats.draft_s_by[self.name] = self.stats.draft_s_by.get(self.name, 0.0) + ran
+        if middle is not None:
+            self.stats.sampling_s += now - middle
+        self.stats.draft_calls += 1
 
     @property
     def nbytes(self) -> int:
@@ -103,41 +148,52 @@ class Drafter:
         """The target's feature rows ``[n, h]`` for positions start..start+n-1, from a run of a
         target paired with an EAGLE-3 head (only a head reads them)."""
 
+    def plan(self, committed: list[int], k: int) -> list[tuple["Drafter", int]]:
+        """Who proposes this round's positions, in order: (drafter, how many) segments."""
+        return [(self, k)]
+
     def propose(
         self, committed: list[int], k: int, sampling: SamplingConfig, u: np.ndarray | None,
-        penalties: Penalties | None = None,
-    ) -> tuple[list[int], list[Dist]]:
-        """Up to k draft tokens after ``committed`` and the rows they were drawn from.
+        penalties: Penalties | None = None, limit: int | None = None,
+    ) -> Proposal:
+        """Up to k draft tokens after ``committed`` (a MixedDrafter: up to ``most(k)``), the rows
+        they were drawn from and their sources.
 
         Greedy (u None): each row's single token (the draft's argmax, or the lookup's point
         mass). Sampling: x_i = F_q_i^-1(u[i, 0]), u: the positions' uniforms ``[>= k, 3]``.
-        Stops early at a position with no proposal (the n-gram lookup found no match).
-        Under a constraint (grammar.py), a position whose text the grammar forces is
+        The positions go to ``plan``'s segments in order; a segment's drafter with no
+        proposal (the n-gram lookup found no match) ends its segment, and the last ends the
+        round. Under a constraint (grammar.py), a position whose text the grammar forces is
         proposed as its forced token's point mass without running the drafter (``takes_forced``:
         a drafter whose next run feeds whatever its state lacks), on top of its k (up to
         grammar.MAX_FORCED more, k = 0 included), so a JSON answer's keys, quotes and braces
-        cost no draft steps; the target still verifies them. ``forced_at`` then says which
-        proposals were forced. ``u`` has a row per proposal it may make.
+        cost no draft steps; the target still verifies them. ``limit``: the most proposals
+        in all (the room left in the window), None: none. ``u`` has a row per proposal it
+        may make.
         """
-        tokens, rows, self.forced_at = [], [], []
+        tokens, rows, sources = [], [], []
         forced = getattr(penalties, "forced", None) if self.takes_forced else None
-        own = 0  # the drafter's own proposals, at most k
-        while len(tokens) < k + (MAX_FORCED if forced is not None else 0):
-            token = forced(committed, tokens) if forced is not None else None
-            if token is not None:  # the grammar forces this token: q = 1, no run
-                q = point_mass(token)
-                self.stats.forced += 1
-            elif own < k:
-                q = self.next_row(committed, tokens, sampling, penalties)
-                own += 1
-            else:
-                break
-            if q is None:
-                break
-            rows.append(q)
-            tokens.append(int(q.ids[0]) if u is None else q.draw(u[len(tokens), 0]))
-            self.forced_at.append(token is not None)
-        return tokens, rows
+        segments = self.plan(committed, k)
+        most = sum(n for _, n in segments) + (MAX_FORCED if forced is not None else 0)
+        most = most if limit is None else min(most, limit)
+        for drafter, count in segments:
+            own = 0  # this segment's own proposals, at most count
+            while len(tokens) < most:
+                token = forced(committed, tokens) if forced is not None else None
+                if token is not None:  # the grammar forces this token: q = 1, no run
+                    q, source = point_mass(token), FORCED
+                    self.stats.forced += 1
+                elif own < count:
+                    q, source = drafter.next_row(committed, tokens, sampling, penalties), drafter.name
+                    own += 1
+                else:
+                    break
+                if q is None:
+                    break
+                rows.append(q)
+                tokens.append(int(q.ids[0]) if u is None else q.draw(u[len(tokens), 0]))
+                sources.append(source)
+        return Proposal(tokens, rows, tuple(sources))
 
 
 class NoDrafter(Drafter):
@@ -181,9 +237,7 @@ class ModelDrafter(Drafter):
         q = process_row(logits, sampling)
         if self.session.token_ids is not None:  # column j is token token_ids[j]; q = 0 elsewhere
             q = q.relabel(self.session.token_ids)
-        self.stats.draft_s += middle - start
-        self.stats.sampling_s += time.perf_counter() - middle
-        self.stats.draft_calls += 1
+        self._timed(start, middle)
         return q
 
     def rollback(self, length: int) -> None:
@@ -264,9 +318,7 @@ class Eagle3Drafter(Drafter):
             if not np.isfinite(row).any():  # a grammar allows none of the head's tokens
                 return None
         q = process_row(row, sampling).relabel(self.session.token_ids)
-        self.stats.draft_s += middle - start
-        self.stats.sampling_s += time.perf_counter() - middle
-        self.stats.draft_calls += 1
+        self._timed(start, middle)
         return q
 
     def rollback(self, length: int) -> None:
@@ -274,6 +326,13 @@ class Eagle3Drafter(Drafter):
         self.true_rows = min(self.true_rows, max(length - 1, 0))
         self.cache.crop(min(self.cache.length, self.true_rows))
         self.hidden = None
+
+
+# What one (token, n-gram length) entry of an NgramIndex holds in CPython at most, its key and
+# list slot: text whose n-grams are all new (`python benchmarks/ngram_cost.py --memory 100000`
+# measures 20 bytes for one token repeated, 165 for random ids). The index is bounded by the
+# context window: 16 MB for 32,768 tokens at n = 1..3.
+INDEX_BYTES_PER_ENTRY = 170
 
 
 class NgramIndex:
@@ -312,12 +371,28 @@ class NgramIndex:
     def lookup(self) -> int | None:
         """The token that followed the latest earlier occurrence of the longest suffix that
         occurred before (longest first, as every peer does); None if none did."""
+        found = self.match()
+        return None if found is None else found[0]
+
+    def match(self) -> tuple[int, int] | None:
+        """``lookup``'s token and the length n of the suffix it matched; None if none did."""
         length = len(self.tokens)
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             ends = self.ends.get(tuple(self.tokens[length - n :]))
             if ends:
-                return self.tokens[ends[-1]]
+                return self.tokens[ends[-1]], n
         return None
+
+    def sync(self, text: Sequence[int]) -> None:
+        """Cover exactly ``text``, of which it covers a prefix."""
+        self.truncate(min(len(self.tokens), len(text)))
+        self.extend(text[len(self.tokens) :])
+
+    @property
+    def nbytes(self) -> int:
+        """About what it holds: per token, one list entry per n-gram length and at most as many
+        keys (a tuple of n ints), as ``benchmarks/ngram_cost.py`` measures it."""
+        return len(self.tokens) * (self.max_n - self.min_n + 1) * INDEX_BYTES_PER_ENTRY
 
 
 class NgramDrafter(Drafter):
@@ -349,12 +424,168 @@ class NgramDrafter(Drafter):
                              "the text it is asked about")
         index.extend(tokens_from(committed, drafted, known))  # drafts too: rollback removes them
         token = index.lookup()
-        self.stats.draft_s += time.perf_counter() - start
-        self.stats.draft_calls += 1
+        self._timed(start)
         return None if token is None else point_mass(token)
 
     def rollback(self, length: int) -> None:
         self.index.truncate(min(len(self.index.tokens), length))
+
+    @property
+    def nbytes(self) -> int:
+        return self.index.nbytes
+
+
+class MixedDrafter(Drafter):
+    """The draft model and the text's own continuation, chosen round by round.
+
+    Each round weighs three plans by expected tokens per millisecond of the round
+    (schedule.py's cost model, with the step costs measured at load): the draft model's k
+    (the schedule's), the text's continuation for L <= TEXT_MAX_K positions (an n-gram lookup
+    chained along its own proposals, point masses: microseconds each, so a long copy is
+    verified in one target run of its length), or that continuation extended by the draft
+    model's k. Each source's acceptance is measured: the model's from its verified proposals
+    (as the adaptive schedule measures it); the text's from every committed token, proposed or
+    not, by whether the lookup there predicted it, which is unbiased because the committed
+    token is drawn from p (P(x_n = x) = p(x), the acceptance of a point mass on x). It is kept
+    per n-gram length matched and per whether the lookup predicted the token before, since a
+    copy goes on once it has begun. Without measured costs (a fixed or heuristic schedule)
+    the text proposes its positions while its acceptance there is at least the model's, the
+    model the rest of k.
+
+    Exact as any drafter: each proposal is a row (the model's) or a point mass (the text's),
+    and each position is verified with its own q (acceptance.py); the choice reads verified
+    rounds only.
+    """
+
+    name = "mixed"
+    takes_forced = True  # both of its drafters feed whatever their state lacks
+
+    def __init__(self, model: ModelDrafter, text: NgramDrafter, stats: GenerationStats):
+        self.model, self.text = model, text
+        self.last: Drafter = model  # the last segment's drafter: it proposes after the round
+        self.begin(stats)
+
+    def begin(self, stats: GenerationStats, costs: StepCosts | None = None) -> None:
+        """As a drafter's, and what it learnt starts again: a generation's text is a function
+        of its prompt, settings and seed, whatever generation kept this drafter before."""
+        self.stats, self.costs = stats, costs
+        self.model.begin(stats)
+        self.text.begin(stats)
+        self.model_acceptance = AcceptanceEstimate()
+        # [after a predicted token?][n-gram length]: the text's acceptance there
+        self.text_acceptance = [[AcceptanceEstimate(prior_alpha=0.5, prior_weight=1.0,
+                                                    decay=0.95)
+                                 for _ in range(self.text.index.max_n + 1)] for _ in range(2)]
+        self.predicted_last = False  # whether the lookup predicted the last committed token
+
+    @property
+    def paced(self) -> str:
+        return self.model.name
+
+    @property
+    def cache(self) -> KVCache | InPlaceKVCache:
+        """The draft model's cache."""
+        return self.model.cache
+
+    def most(self, k: int) -> int:
+        return max(k, TEXT_MAX_K) if self.costs is not None else k
+
+    def prefill(self, prompt: list[int]) -> None:
+        self.model.prefill(prompt)
+        self.text.prefill(prompt)
+
+    @property
+    def nbytes(self) -> int:
+        return self.model.nbytes + self.text.nbytes
+
+    def plan(self, committed: list[int], k: int) -> list[tuple[Drafter, int]]:
+        chain = self._text_chain(committed, self.most(k))  # the text's acceptance per position
+        alpha = self.model_acceptance.alpha
+        if self.costs is None:
+            text = next((i for i, a in enumerate(chain[:k]) if a < alpha), min(k, len(chain)))
+            plan = (text, k - text)
+        else:
+            plan = best_plan(self.costs, chain, alpha, k)
+        segments = [(drafter, n) for drafter, n in zip((self.text, self.model), plan) if n]
+        self.last = segments[-1][0] if segments else self.model
+        return segments or [(self.model, 0)]
+
+    def _text_chain(self, committed: list[int], most: int) -> list[float]:
+        """The text's estimated acceptance at each position of its continuation after
+        ``committed`` (up to ``most``, where its lookup runs out): the lookup chained along
+        its own proposals, then taken back."""
+        index = self.text.index
+        index.sync(committed)
+        chain, predicted = [], self.predicted_last
+        while len(chain) < most and (found := index.match()) is not None:
+            chain.append(self.text_acceptance[predicted][found[1]].alpha)
+            index.extend(found[:1])
+            predicted = True  # a position further on is reached only if this one is accepted
+        index.truncate(len(committed))
+        return chain
+
+    def next_row(self, committed: list[int], drafted: Sequence[int], sampling: SamplingConfig,
+                 penalties: Penalties | None = None) -> Dist | None:
+        return self.last.next_row(committed, drafted, sampling, penalties)
+
+    def observe(self, committed: list[int], tokens: Sequence[int], sources: Sequence[str],
+                accepted: int) -> None:
+        # the model's acceptance: its proposals looked at, up to and with the first rejection
+        looked = sources[: accepted + 1]
+        mine = sum(s == self.model.name for s in looked)
+        if mine:
+            took = sum(s == self.model.name for s in sources[:accepted])
+            self.model_acceptance.update(took, mine)
+        # the text's: whether the lookup predicted each committed token, proposed or not
+        index = self.text.index
+        index.sync(committed)
+        for token in tokens:
+            found = index.match()
+            hit = found is not None and found[0] == token
+            if found is not None:
+                self.text_acceptance[self.predicted_last][found[1]].update(hit, 1)
+            self.predicted_last = hit
+            index.extend((token,))
+
+    def rollback(self, length: int) -> None:
+        self.model.rollback(length)
+        self.text.rollback(length)
+
+
+def best_plan(costs: StepCosts, chain: Sequence[float], alpha: float, k: int
+              ) -> tuple[int, int]:
+    """(text positions, model positions) of the round of most expected tokens per ms: a plain
+    target step (0, 0), the model's k alone (0, k), the text's first L positions (``chain``:
+    the text's acceptance at each) alone (L, 0), or followed by j <= k of the model's where
+    the model guesses the next position better than the text (or the text has run out).
+
+    A round's expected yield is 1 + sum over i of P(its first i proposals accepted)
+    (schedule.expected_tokens_along); a text position costs nothing but its place in the
+    target's run (``costs.verify_ms``), a model position a draft step too.
+    """
+    verify = costs.verify_table  # [n]: a target run on n tokens
+    draft = costs.draft_step_ms * np.arange(k + 1)  # [j]: j draft steps
+    tails = np.cumsum(alpha ** np.arange(k + 1)) - 1  # [j]: the model's j, once reached
+    plans = [((0, 0), 1.0 / verify[1])]
+    if k:
+        plans.append(((0, k), (1 + tails[k]) / (verify[k + 1] + draft[k])))
+    chain = np.asarray(chain[:TEXT_MAX_K], dtype=np.float64)
+    if len(chain):
+        reached = np.cumprod(chain)  # [L-1]: P(the text's first L accepted)
+        tokens = 1 + np.cumsum(reached)  # [L-1]: expected tokens of the text's L
+        text_only = tokens / verify[2 : len(chain) + 2]
+        best = int(np.argmax(text_only))
+        plans.append(((best + 1, 0), text_only[best]))
+        # the model's turn is worth weighing where it guesses the next position better
+        turns = np.flatnonzero(np.append(chain[1:] < alpha, True)) + 1 if k else []
+        for text in turns:
+            model = np.arange(1, min(k, TEXT_MAX_K - text) + 1)
+            if len(model):
+                rates = ((tokens[text - 1] + reached[text - 1] * tails[model])
+                         / (verify[text + model + 1] + draft[model]))
+                j = int(np.argmax(rates))
+                plans.append(((int(text), int(model[j])), rates[j]))
+    return max(plans, key=lambda plan: plan[1])[0]
 
 
 def tokens_from(committed: list[int], drafted: Sequence[int], start: int) -> list[int]:
@@ -367,14 +598,20 @@ def tokens_from(committed: list[int], drafted: Sequence[int], start: int) -> lis
 def drafter_key(name: str, config: GenerationConfig) -> tuple:
     """What a drafter's state depends on besides the text: its name (``resolve_drafter``'s),
     and the n-gram lookup's n. A kept drafter goes on only with a request of the same key."""
-    return (name, config.ngram_min, config.ngram_max) if name == "ngram" else (name,)
+    looks_up = name in ("ngram", MixedDrafter.name)
+    return (name, config.ngram_min, config.ngram_max) if looks_up else (name,)
 
 
-def resolve_drafter(config: GenerationConfig, has_draft: bool) -> str:
-    """The drafter a request gets: "auto" is the draft model if there is one, else the n-gram
-    lookup."""
+def resolve_drafter(config: GenerationConfig, draft: ModelSession | None) -> str:
+    """The drafter a request gets: "auto" is the draft model and the text's continuation,
+    chosen per round (``MixedDrafter``), if the package has a draft model, its EAGLE-3 head if
+    it has one (which reads the target's features of every position, so it does not take
+    turns with the text), else the n-gram lookup."""
+    has_draft = draft is not None
     if config.drafter == "auto":
-        return "model" if has_draft else "ngram"
+        if not has_draft:
+            return "ngram"
+        return "model" if getattr(draft, "reads_features", False) else MixedDrafter.name
     if config.drafter == "model" and not has_draft:
         raise ConfigError("drafter 'model' needs a draft model and this package is target only; "
                           "use drafter ngram or none")
@@ -393,6 +630,9 @@ def make_drafter(
     kind = drafter_class(name, draft)
     if kind is NgramDrafter:
         return NgramDrafter(config.ngram_min, config.ngram_max, stats)
+    if kind is MixedDrafter:
+        return MixedDrafter(ModelDrafter(draft, stats, positions),
+                            NgramDrafter(config.ngram_min, config.ngram_max, stats), stats)
     if kind is NoDrafter:
         return NoDrafter()
     return kind(draft, stats, positions)
@@ -404,4 +644,4 @@ def drafter_class(name: str, draft: ModelSession | None) -> type[Drafter]:
     what the stats report."""
     if name == "model":
         return Eagle3Drafter if getattr(draft, "reads_features", False) else ModelDrafter
-    return {"ngram": NgramDrafter}.get(name, NoDrafter)
+    return {"ngram": NgramDrafter, MixedDrafter.name: MixedDrafter}.get(name, NoDrafter)

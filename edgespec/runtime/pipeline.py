@@ -230,7 +230,7 @@ class Pipeline:
                 f"the prompt has {len(prompt_ids)} tokens but the context window is {limit}; "
                 "shorten the prompt"
             )
-        drafter = resolve_drafter(config, has_draft=self.draft is not None)
+        drafter = resolve_drafter(config, self.draft)
         # compiled now, so that a constraint that does not compile fails before any text
         grammar = (self.grammar_tokenizer.compile(config.constraint)
                    if config.constraint is not None else None)
@@ -254,6 +254,7 @@ class Pipeline:
             schedule = self._schedule(config, drafter, stats)  # adaptive may measure costs first
             ids = healing.prompt if healing else prompt_ids
             kept = self._caches(ids, drafter, config, stats)
+            kept.drafter.begin(stats, getattr(schedule, "costs", None))
             rounds = decode(self.target, kept.drafter, ids, config, schedule, limit, eos, stats,
                             first_allowed=healing.allowed if healing else None,
                             cache=kept.target, grammar=grammar)
@@ -298,14 +299,13 @@ class Pipeline:
                 stats: GenerationStats) -> KeptCaches:
         """The target cache and drafter a generation from ``ids`` starts with: the kept ones
         sharing the longest prefix with ``ids``, cropped to it (``stats.prompt_tokens_reused``
-        says how many positions), else new ones."""
+        says how many positions), else new ones; the caller ``begin``s the drafter."""
         key = drafter_key(drafter, config)
         kept, stats.prompt_tokens_reused = self.prefix_cache.take(ids, key)
         if kept is None:
             positions = request_positions(len(ids), config)
             return KeptCaches([], self.target.new_cache(positions),
                               make_drafter(drafter, self.draft, config, stats, positions), key)
-        kept.drafter.count_into(stats)
         return kept
 
     def _schedule(self, config: GenerationConfig, drafter: str,

@@ -17,23 +17,49 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from functools import cached_property
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 
+from edgespec.config import TEXT_MAX_K
 from edgespec.runtime.session import ModelSession
+
+# The longer target runs calibration times besides 1..kmax+1 tokens, for text matches
+LONG_RUNS = (TEXT_MAX_K // 2 + 1, TEXT_MAX_K + 1)
 
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Milliseconds of one draft step and of one target run on n tokens (n = 1..kmax+1)."""
+    """Milliseconds of one draft step and of one target run on n tokens (n = 1..kmax+1), and
+    of target runs on a few longer lengths (``long_ms``: (n, ms), n ascending), which a text
+    match's long proposals are verified in."""
 
     draft_step_ms: float
     target_ms: tuple[float, ...]  # target_ms[n - 1]: a run on n tokens
+    long_ms: tuple[tuple[int, float], ...] = ()
 
     @property
     def kmax(self) -> int:
         return len(self.target_ms) - 1
+
+    @cached_property
+    def verify_table(self) -> np.ndarray:
+        """``verify_ms(n)`` for n = 0..TEXT_MAX_K + 1 (n = 0: nothing, 0 ms), computed once."""
+        return np.array([0.0, *(self.verify_ms(n) for n in range(1, TEXT_MAX_K + 2))])
+
+    def verify_ms(self, n: int) -> float:
+        """A target run on n >= 1 tokens: measured up to kmax + 1, else interpolated linearly
+        between the measured lengths around n (past the longest, along the last two)."""
+        if n <= len(self.target_ms):
+            return self.target_ms[n - 1]
+        points = [(len(self.target_ms), self.target_ms[-1]), *self.long_ms]
+        if len(points) == 1:  # nothing longer measured: as long as the longest
+            return points[0][1]
+        upper = next((i for i, (m, _) in enumerate(points) if m >= n), len(points) - 1)
+        (n0, t0), (n1, t1) = points[max(upper - 1, 0)], points[max(upper, 1)]
+        return max(t0 + (t1 - t0) * (n - n0) / (n1 - n0), 0.0)
 
     def round_ms(self, k: int, alpha: float = 0.0, sampled: bool = False) -> float:
         """Expected ms of a round drafting k tokens (``round_ms``)."""
@@ -64,6 +90,17 @@ def expected_tokens(alpha: float, k: int) -> float:
     independently: the accepted prefix plus the replacement or bonus token.
     """
     return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def expected_tokens_along(alphas: Sequence[float]) -> float:
+    """Tokens a round yields on average when its i-th proposal is accepted with probability
+    alphas[i] once the ones before it were: 1 + sum over i of alphas[0] * ... * alphas[i]
+    (``expected_tokens`` when every alpha is the same)."""
+    reached, tokens = 1.0, 1.0
+    for alpha in alphas:
+        reached *= alpha
+        tokens += reached
+    return tokens
 
 
 def expected_speedup(alpha: float, k: int, draft_ms: float, verify_ms: float,
@@ -115,6 +152,25 @@ class HeuristicSchedule:
         self.k = min(self.k + 2, self.kmax) if n_accepted == k else max(1, self.k - 1)
 
 
+class AcceptanceEstimate:
+    """alpha, the chance that a proposal is accepted, from the proposals verification looked
+    at (accepted ones, and the one rejection of each round that had one), forgetting
+    exponentially (``decay`` per update) so that it follows the text; it starts from
+    ``prior_alpha`` worth ``prior_weight`` proposals."""
+
+    def __init__(self, prior_alpha: float = 0.6, prior_weight: float = 2.0, decay: float = 0.9):
+        self.decay = decay
+        self.accepted, self.looked_at = prior_alpha * prior_weight, prior_weight
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.looked_at
+
+    def update(self, accepted: int, looked_at: int) -> None:
+        self.accepted = self.decay * self.accepted + accepted
+        self.looked_at = self.decay * self.looked_at + looked_at
+
+
 class AdaptiveSchedule:
     """Pick k each round to maximise expected tokens/s under the measured costs.
 
@@ -141,8 +197,8 @@ class AdaptiveSchedule:
         sampled: bool = False,
         max_backoff: int = 16,
     ):
-        self.costs, self.decay, self.sampled = costs, decay, sampled
-        self.accepted, self.looked_at = prior_alpha * prior_weight, prior_weight
+        self.costs, self.sampled = costs, sampled
+        self.acceptance = AcceptanceEstimate(prior_alpha, prior_weight, decay)
         extra_ms = costs.round_ms(1) - costs.target_ms[0]  # a probe against a plain step
         self.first_spacing = max(4, math.ceil(extra_ms / (probe_overhead * costs.target_ms[0])))
         self.probe_every = self.first_spacing  # plain steps between two probes
@@ -152,7 +208,7 @@ class AdaptiveSchedule:
 
     @property
     def alpha(self) -> float:
-        return self.accepted / self.looked_at
+        return self.acceptance.alpha
 
     def best_k(self) -> int:
         """The k of the highest expected tokens/ms at the current alpha (0: speculation off)."""
@@ -168,8 +224,7 @@ class AdaptiveSchedule:
             self.steps_off += 1
             return
         self.steps_off = 0
-        self.accepted = self.decay * self.accepted + n_accepted
-        self.looked_at = self.decay * self.looked_at + n_accepted + (n_accepted < k)
+        self.acceptance.update(n_accepted, n_accepted + (n_accepted < k))
         if self.probing and self.best_k() == 0:  # the probe found nothing worth drafting
             self.probe_every = min(2 * self.probe_every, self.max_spacing)
         else:
@@ -185,14 +240,17 @@ def calibrate(
     budget_s: float = 1.0,
     repeats: tuple[int, int] = (3, 20),
 ) -> StepCosts:
-    """Median time of a draft step and of target runs on 1..kmax+1 tokens after ``context``.
+    """Median time of a draft step and of target runs on 1..kmax+1 tokens after ``context``,
+    and on the LONG_RUNS lengths past kmax + 1.
 
     Bounded: each session is prefilled once, and each run length is timed ``repeats[0]`` times,
     then again while its share of ``budget_s`` lasts, at most ``repeats[1]`` times: about
     ``budget_s`` plus the ``repeats[0]`` runs of each length, however large the target.
     """
-    ids = np.random.default_rng(0).integers(0, target.vocab_size, size=context + kmax + 1)
-    share = budget_s / (kmax + 2)
+    longer = [n for n in LONG_RUNS if n > kmax + 1]
+    longest = max([kmax + 1, *longer])
+    ids = np.random.default_rng(0).integers(0, target.vocab_size, size=context + longest)
+    share = budget_s / (kmax + 2 + len(longer))
 
     def run(session: ModelSession, tokens: np.ndarray, cache) -> None:
         if getattr(session, "reads_features", False):
@@ -202,8 +260,8 @@ def calibrate(
         else:
             session.forward(tokens, cache)
 
-    def timed(session: ModelSession, lengths: range) -> list[float]:
-        cache = session.new_cache(context + lengths[-1])  # no growth inside the timed runs
+    def timed(session: ModelSession, lengths: Sequence[int]) -> list[float]:
+        cache = session.new_cache(context + max(lengths))  # no growth inside the timed runs
         run(session, ids[:context], cache)
         medians = []
         for n in [lengths[0], *lengths]:  # the first run pays for allocations: timed, dropped
@@ -217,4 +275,6 @@ def calibrate(
         return medians[1:]
 
     (draft_ms,) = timed(draft, range(1, 2)) if draft is not None else (0.0,)  # target only
-    return StepCosts(draft_ms, tuple(timed(target, range(1, kmax + 2))))
+    target_ms = timed(target, [*range(1, kmax + 2), *longer])
+    return StepCosts(draft_ms, tuple(target_ms[: kmax + 1]),
+                     tuple(zip(longer, target_ms[kmax + 1 :])))

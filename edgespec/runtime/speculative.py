@@ -84,15 +84,14 @@ class Round:
     tokens: list[int]  # 1..drafted+1: the accepted drafts, then a replacement or position k
     drafted: int  # what the drafter proposed: k, or fewer where a lookup ran out
     accepted: int
-    forced: tuple[bool, ...] = ()  # per draft, whether a constraint forced it (no drafter run)
+    sources: tuple[str, ...] = ()  # per draft, who proposed it (drafters.Proposal.sources)
 
-    def own(self) -> tuple[int, int]:
-        """The drafter's own proposals, and how many of them the accepted prefix holds: what
-        the schedule learns (forced proposals cost it nothing, so they are not its to count)."""
-        if not self.forced:
-            return self.drafted, self.accepted
-        own = [not f for f in self.forced]
-        return sum(own), sum(own[: self.accepted])
+    def of(self, source: str) -> tuple[int, int]:
+        """The proposals of ``source``, and how many of them the accepted prefix holds: what
+        the schedule learns of the source it paces (forced proposals and a text match's cost
+        it no draft steps, so they are not its to count)."""
+        mine = [s == source for s in self.sources]
+        return sum(mine), sum(mine[: self.accepted])
 
 
 def speculative_round(
@@ -104,6 +103,7 @@ def speculative_round(
     uniforms: PositionUniforms,
     stats: GenerationStats,
     penalties: Penalties | None = None,
+    limit: int | None = None,
 ) -> Round:
     """One round of speculative sampling (Leviathan et al. 2023, Algorithm 1), keyed by position.
 
@@ -118,15 +118,20 @@ def speculative_round(
     Returns what happened (the 1..k+1 tokens to commit, drafted, accepted); the target's cache
     ends covering the new ``committed[:-1]``, the drafter's state a prefix of it. ``stats``
     only receives the sampling time (the sessions time their own runs). ``penalties``: the
-    repetition penalties of the request (penalties.py), None: none.
+    repetition penalties of the request (penalties.py), None: none. ``limit``: the most
+    tokens it may draft (a text match and forced tokens go past k, never past the window).
     """
     greedy = sampling.greedy
     forcing = getattr(penalties, "forced", None) is not None  # a constraint: forced drafts
-    u = None if greedy else uniforms.rows(len(committed), k + 1 + MAX_FORCED * forcing)
+    most = drafter.most(k) + MAX_FORCED * forcing  # the most it may draft
+    most = most if limit is None else min(most, limit)
+    u = None if greedy else uniforms.rows(len(committed), most + 1)
 
-    # 1. the drafter proposes up to k tokens with their rows q (fewer if a lookup runs out;
-    #    under a constraint, the grammar's forced tokens besides: drafters.Drafter.propose)
-    draft_tokens, q_rows = drafter.propose(committed, k, sampling, u, penalties)
+    # 1. the drafter proposes up to k tokens with their rows q (fewer if a lookup runs out; a
+    #    text match, more; under a constraint, the grammar's forced tokens besides:
+    #    drafters.Drafter.propose)
+    proposal = drafter.propose(committed, k, sampling, u, penalties, most)
+    draft_tokens, q_rows = proposal.tokens, proposal.rows
     scheduled, k = k, len(draft_tokens)
     u = None if greedy else u[: k + 1]  # [k+1, 3]
 
@@ -163,8 +168,7 @@ def speculative_round(
     keep = len(committed) + n_accepted  # = len(new committed) - 1
     target.cache.crop(keep)
     drafter.rollback(keep)
-    return Round(new_tokens, drafted=k, accepted=n_accepted,
-                 forced=tuple(drafter.forced_at) if forcing else ())
+    return Round(new_tokens, drafted=k, accepted=n_accepted, sources=proposal.sources)
 
 
 def constrained_step(
@@ -304,18 +308,20 @@ def _scheduled_round(target: TargetRunner, drafter: Drafter, committed: list[int
     A round commits up to k + 1 tokens: drafting more than the request or the window has room
     for is wasted, but a round the schedule gives drafts stays one, down to k = 1 for the last
     token (its surplus dropped by ``_commit``), so that every position of a fixed k >= 1 is
-    drawn from (p, q, u) alike: one seed, one text, whatever k.
+    drawn from (p, q, u) alike: one seed, one text, whatever k. Proposals past k (a text
+    match's, a grammar's forced tokens) stop at the room left.
     """
     wanted = schedule.next_k() if drafter.drafts else 0
     k = min(wanted, max(room - 1, 1))
     done = speculative_round(target, drafter, committed, k, config.sampling, uniforms, stats,
-                             penalties)
+                             penalties, limit=max(room - 1, k))
     if done.drafted:
-        stats.record_round(done.drafted, done.accepted)
+        stats.record_round(done.drafted, done.accepted, done.sources)
     if drafter.drafts:
-        own, own_accepted = done.own()
+        own, own_accepted = done.of(drafter.paced)
         stats.draft_lengths[own] = stats.draft_lengths.get(own, 0) + 1
         schedule.update(own, n_accepted=own_accepted)
+        drafter.observe(committed, done.tokens, done.sources, done.accepted)
     return done.tokens
 
 

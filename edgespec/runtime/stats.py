@@ -16,7 +16,7 @@ class GenerationStats:
     """
 
     speculative: bool
-    drafter: str = ""  # "model", "eagle3", "ngram" or "none" (runtime/drafters.py)
+    drafter: str = ""  # "mixed", "model", "eagle3", "ngram" or "none" (runtime/drafters.py)
     # the prompt as decoded: with token healing, the user's without its last token
     prompt_tokens: int = 0
     # of them, those whose KV an earlier generation's caches held (runtime/prefix_cache.py):
@@ -33,6 +33,10 @@ class GenerationStats:
     target_calls: int = 0
     draft_calls: int = 0
     forced: int = 0  # of the drafted, tokens a constraint's grammar forced (no drafter run)
+    # per source (a drafter's name, or "forced"): tokens proposed, accepted, seconds its runs took
+    drafted_by: dict[str, int] = field(default_factory=dict)
+    accepted_by: dict[str, int] = field(default_factory=dict)
+    draft_s_by: dict[str, float] = field(default_factory=dict)
     draft_lengths: dict[int, int] = field(default_factory=dict)  # k -> rounds; 0: target step
     accepted_at: list[int] = field(default_factory=list)
     drafted_at: list[int] = field(default_factory=list)
@@ -62,8 +66,10 @@ class GenerationStats:
                 value = getattr(run, f.name)
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     setattr(total, f.name, getattr(total, f.name) + value)
-            for k, rounds in run.draft_lengths.items():
-                total.draft_lengths[k] = total.draft_lengths.get(k, 0) + rounds
+            for name in ("draft_lengths", "drafted_by", "accepted_by", "draft_s_by"):
+                mine = getattr(total, name)
+                for key, value in getattr(run, name).items():
+                    mine[key] = mine.get(key, 0) + value
             total.accepted_at = _added(total.accepted_at, run.accepted_at)
             total.drafted_at = _added(total.drafted_at, run.drafted_at)
         total.threads = runs[0].threads if runs else {}
@@ -72,7 +78,12 @@ class GenerationStats:
         total.finish_reason = reasons.pop() if len(reasons) == 1 else "mixed" if reasons else ""
         return total
 
-    def record_round(self, k: int, n_accepted: int) -> None:
+    def record_round(self, k: int, n_accepted: int, sources: Iterable[str] = ()) -> None:
+        """Count a round that drafted k tokens (from ``sources``, one per token) and accepted
+        the first ``n_accepted``."""
+        for i, source in enumerate(sources):
+            self.drafted_by[source] = self.drafted_by.get(source, 0) + 1
+            self.accepted_by[source] = self.accepted_by.get(source, 0) + (i < n_accepted)
         grow = k - len(self.drafted_at)
         if grow > 0:
             self.accepted_at += [0] * grow
@@ -100,6 +111,11 @@ class GenerationStats:
         """
         looked_at = self.accepted + self.rejected
         return self.accepted / looked_at if looked_at else 0.0
+
+    def by_source(self) -> str:
+        """Each source's share, as "ngram 90 at 95%, model 30 at 40%" (most drafted first)."""
+        return ", ".join(f"{source} {n} at {self.accepted_by.get(source, 0) / n:.0%}"
+                         for source, n in sorted(self.drafted_by.items(), key=lambda i: -i[1]))
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -144,8 +160,10 @@ class GenerationStats:
             line += (
                 f", acceptance {self.acceptance_rate:.0%} of {self.drafted} drafted"
                 f"{f' by {self.drafter}' if self.drafter else ''}"
-                f", {self.tokens_per_target_call:.2f} tokens/target call"
             )
+            if len(self.drafted_by) > 1 or self.drafter == "mixed":
+                line += f" ({self.by_source()})"
+            line += f", {self.tokens_per_target_call:.2f} tokens/target call"
         if self.prompt_tokens_reused:
             line += f", {self.prompt_tokens_reused} of {self.prompt_tokens} prompt tokens reused"
         if self.calibration == "measured":
