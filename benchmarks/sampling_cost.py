@@ -88,9 +88,9 @@ def make_rows(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
 def fast_round(draft_rows, target_rows, k, sampling, seed) -> tuple[float, int]:
     """Seconds of sampling in one ``speculative_round``, and tokens it committed."""
     committed = list(range(CONTEXT))
-    target = TargetRunner(FakeSession(target_rows), FakeCache(CONTEXT - 1))
     stats = GenerationStats(speculative=True)
     draft = ModelDrafter(FakeSession(draft_rows), stats)
+    target = TargetRunner(FakeSession(target_rows), FakeCache(CONTEXT - 1), stats, draft)
     uniforms = PositionUniforms(seed, first=CONTEXT)
     done = speculative_round(target, draft, committed, k, sampling, uniforms, stats)
     return stats.sampling_s, len(done.tokens)

@@ -32,7 +32,6 @@ EXPORT_VALIDATIONS = ("strict", "report", "skip")
 # only adds draft steps wasted at each rejection. It also bounds what k costs up front: the
 # adaptive schedule times target runs on 1..k+1 tokens, and verification holds [k+1, V] rows.
 MAX_DRAFT_LENGTH = 64
-MAX_GAMMA = MAX_DRAFT_LENGTH  # its former name, kept for callers that import it
 # The adaptive schedule's largest k: it calibrates a target run on every length up to k + 1,
 # and past 16 drafted tokens a round's expected yield barely grows (0.9^17 = 0.17).
 ADAPTIVE_MAX_K = 16
@@ -42,8 +41,6 @@ ADAPTIVE_MAX_K = 16
 # TEXT_MAX_K + 1 tokens for it. Past 32, one target run on a CPU costs more per token than the
 # chance that a copy goes on unbroken pays back.
 TEXT_MAX_K = 32
-# the former names of two settings, still accepted (deprecated), and what each now is
-FORMER_SETTINGS = {"gamma": "draft_length", "use_draft": 'drafter="none"'}
 
 
 # What a constraint's text is (runtime/grammar.py compiles it with llguidance): a JSON schema
@@ -180,33 +177,39 @@ def describe_sampling(given: dict, package: dict) -> str:
     return f"{what} ({where})"
 
 
-def former_settings(gamma: object = None, use_draft: object = None,
-                    warn: bool = True) -> dict:
-    """The current settings a request's former names stand for (FORMER_SETTINGS), the one
-    rule for the library, the CLI and the server: ``gamma`` is draft_length, ``use_draft=False``
-    is drafter="none" (True says nothing); each wins over the current setting given too.
-    ``warn``: a DeprecationWarning for each given (the CLI and the server say it their way)."""
-    settings: dict = {}
-    if gamma is not None:
-        check_draft_length("gamma", gamma)
-        settings["draft_length"] = gamma
-    if use_draft is not None:
-        if not isinstance(use_draft, bool):
-            raise ConfigError(f"use_draft must be True or False, got {use_draft!r}")
-        if not use_draft:
-            settings["drafter"] = NO_DRAFTER
-    if warn:
-        for name, value in (("gamma", gamma), ("use_draft", use_draft)):
-            if value is not None:
-                warnings.warn(f"GenerationConfig({name}=...) is deprecated; use "
-                              f"{FORMER_SETTINGS[name]}", DeprecationWarning, stacklevel=3)
-    return settings
-
-
 @dataclass(frozen=True)
-class _GenerationFields:
-    """GenerationConfig's fields and their checks (GenerationConfig, below, says what each
-    means and also takes their former names)."""
+class GenerationConfig:
+    """One generation request.
+
+    max_new_tokens: stop after this many generated tokens.
+    draft_length: the draft length k (tokens the drafter proposes per round), as the schedule
+        reads it: "fixed" drafts k = draft_length every round; "heuristic" starts at it;
+        "adaptive" picks k in 0..min(draft_length, ADAPTIVE_MAX_K) each round. The schedules
+        take it under those names (FixedSchedule(k), HeuristicSchedule(start),
+        AdaptiveSchedule's costs up to kmax); a text match may propose more (TEXT_MAX_K).
+    schedule: "fixed", "heuristic" (transformers' +2/-1 rule) or "adaptive" (k maximising
+        expected tokens/s from measured costs; see runtime/schedule.py).
+    seed: seeds the sampler; with the model or n-gram drafter the same seed gives the same
+        text whatever the fixed k (runtime/speculative.py).
+    stop: strings that end generation; the text is cut before the first one found.
+    ignore_eos: keep generating after EOS until max_new_tokens (for benchmarks: runs of equal
+        length whatever they sample).
+    drafter: "model" (the package's draft model, or its EAGLE-3 head), "ngram" (the last
+        ngram_max..ngram_min tokens looked up earlier in prompt and output, proposing what
+        followed them), "none" (the target alone: the baseline speculative decoding must
+        match) or "auto" (both, chosen round by round, where the package has a draft model;
+        its EAGLE-3 head where it has one; else ngram: runtime/drafters.py).
+    ngram_min, ngram_max: the shortest and longest suffix the n-gram lookup matches (longest
+        first); 1 <= ngram_min <= ngram_max <= 8.
+    token_healing: back a text prompt off its last token and let the first generated token be
+        any token whose text starts with that token's text (runtime/healing.py): a prompt
+        ending in a space or a newline then continues as the model would have split it.
+        The first generated token regrows the removed text, which the returned text leaves out.
+        Not applied with a constraint (the grammar's text starts at the first new token).
+    constraint: a Constraint the text must match (JSON schema, JSON object, regex, grammar),
+        None: free text. Drafts are masked as the target's rows are; EOS is allowed only where
+        the grammar may end.
+    """
 
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -254,66 +257,6 @@ class _GenerationFields:
             if self.ignore_eos:  # past the grammar's end only EOS is allowed
                 raise ConfigError("ignore_eos cannot be combined with a constraint: a "
                                   "constrained text ends where its grammar does")
-
-
-class GenerationConfig(_GenerationFields):
-    """One generation request.
-
-    max_new_tokens: stop after this many generated tokens.
-    draft_length: the draft length k (tokens the drafter proposes per round), as the schedule
-        reads it: "fixed" drafts k = draft_length every round; "heuristic" starts at it;
-        "adaptive" picks k in 0..min(draft_length, ADAPTIVE_MAX_K) each round. The schedules
-        take it under those names (FixedSchedule(k), HeuristicSchedule(start),
-        AdaptiveSchedule's costs up to kmax). ``gamma`` is its former name, still accepted (deprecated: FORMER_SETTINGS).
-    schedule: "fixed", "heuristic" (transformers' +2/-1 rule) or "adaptive" (k maximising
-        expected tokens/s from measured costs; see runtime/schedule.py).
-    seed: seeds the sampler; the same seed gives the same text, whatever the schedule and k.
-    stop: strings that end generation; the text is cut before the first one found.
-    ignore_eos: keep generating after EOS until max_new_tokens (for benchmarks: runs of equal
-        length whatever they sample).
-    drafter: "model" (the package's draft model), "ngram" (the last ngram_max..ngram_min tokens
-        looked up earlier in prompt and output, proposing what followed them), "none" (the
-        target alone: the baseline speculative decoding must match) or "auto" (model if the
-        package has a draft, else ngram). ``use_draft=False`` is the former way to say "none",
-        still accepted (deprecated: FORMER_SETTINGS); ``use_draft`` reads whether a drafter may
-        run.
-    ngram_min, ngram_max: the shortest and longest suffix the n-gram lookup matches (longest
-        first); 1 <= ngram_min <= ngram_max <= 8.
-    token_healing: back a text prompt off its last token and let the first generated token be
-        any token whose text starts with that token's text (runtime/healing.py): a prompt
-        ending in a space or a newline then continues as the model would have split it.
-        The first generated token regrows the removed text, which the returned text leaves out.
-        Not applied with a constraint (the grammar's text starts at the first new token).
-    constraint: a Constraint the text must match (JSON schema, JSON object, regex, grammar),
-        None: free text. Drafts are masked as the target's rows are; EOS is allowed only where
-        the grammar may end.
-    """
-
-    def __init__(self, *args, gamma: int | None = None, use_draft: bool | None = None,
-                 **settings):
-        """The fields (positional in their order, or by name) and, deprecated, their former
-        names, which win over the current ones given too (``former_settings``), so that
-        ``dataclasses.replace(config, gamma=4)`` sets the draft length."""
-        if gamma is not None or use_draft is not None:
-            names = [f.name for f in dataclasses.fields(_GenerationFields)]
-            settings = {**dict(zip(names, args)), **settings,
-                        **former_settings(gamma, use_draft)}
-            args = ()
-        super().__init__(*args, **settings)
-
-    @property
-    def gamma(self) -> int:
-        """Deprecated: ``draft_length``."""
-        warnings.warn("GenerationConfig.gamma is deprecated; read draft_length",
-                      DeprecationWarning, stacklevel=2)
-        return self.draft_length
-
-    @property
-    def use_draft(self) -> bool:
-        """Deprecated: whether a drafter may run, i.e. ``drafter != "none"``."""
-        warnings.warn('GenerationConfig.use_draft is deprecated; read drafter != "none"',
-                      DeprecationWarning, stacklevel=2)
-        return self.drafter != NO_DRAFTER
 
 
 @dataclass(frozen=True)

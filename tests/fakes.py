@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 
 from edgespec.config import GenerationConfig, SamplingConfig
-from edgespec.runtime.drafters import Drafter, make_drafter, resolve_drafter
+from edgespec.runtime.drafters import Drafter, make_drafter
 from reference import penalize, process_logits
 from edgespec.runtime.speculative import decode, request_positions
 from edgespec.runtime.stats import GenerationStats
@@ -34,6 +34,7 @@ class PrefixSession:
     """Logits ``[n, V]`` drawn from a generator seeded by the prefix: a deterministic "model"."""
 
     token_ids = None  # scores the whole vocabulary (not a subset draft)
+    reads_features = False  # a model, not an EAGLE-3 head
 
     def __init__(self, vocab: int, scale: float, salt: int, like: PrefixSession | None = None):
         self.vocab, self.scale, self.salt, self.like = vocab, scale, salt, like
@@ -56,6 +57,10 @@ class PrefixSession:
             rows.append(self.row(tuple(cache.tokens)))
         return np.stack(rows[-keep:] if keep else rows)
 
+    def forward_rows(self, tokens: np.ndarray, cache: FakeCache, features=None, keep: int = 0):
+        """ModelSession's: (logits, None), a graph without feature rows."""
+        return self.forward(tokens, cache, keep), None
+
 
 class RandomSchedule:
     """k drawn at random in 0..4 each round, 0 included (a target step inside a speculative run)."""
@@ -72,8 +77,7 @@ class RandomSchedule:
 
 def fake_drafter(draft, config: GenerationConfig, stats: GenerationStats, prompt) -> Drafter:
     """The drafter a request gets, as the pipeline makes it (draft: a fake session or None)."""
-    name = resolve_drafter(config, draft)
-    return make_drafter(name, draft, config, stats, request_positions(len(prompt), config))
+    return make_drafter(config, draft, stats, request_positions(len(prompt), config))
 
 
 def fake_decode(target, draft, config: GenerationConfig, schedule, prompt=(1, 2)) -> list[int]:

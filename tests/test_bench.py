@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 import edgespec
+from edgespec.runtime.speculative import Round
 from edgespec.bench import (
     QUICK,
     BenchConfig,
@@ -37,8 +38,9 @@ def test_expected_speedup_is_leviathans_formula():
 
 def test_alpha_counts_only_the_draft_tokens_verification_looked_at():
     stats = GenerationStats(speculative=True)
-    stats.record_round(k=4, n_accepted=4)  # 4 accepted
-    stats.record_round(k=4, n_accepted=1)  # 1 accepted, 1 rejected, 2 never looked at
+    for n_accepted in (4, 1):  # 4 accepted; 1 accepted, 1 rejected, 2 never looked at
+        stats.record_round(Round([0] * (n_accepted + 1), drafted=4, accepted=n_accepted,
+                                 sources=("model",) * 4), "model")
     assert stats.acceptance_rate == 5 / 8
     assert stats.alpha == 5 / 6
     assert stats.per_position_acceptance == [1.0, 0.5, 0.5, 0.5]
@@ -109,9 +111,6 @@ def test_bench_help_states_the_configs_defaults():
 def test_bench_refuses_bad_lists(packages):
     result = CliRunner().invoke(main, ["bench", str(packages["gpt2"]), "--draft-length", "0,2"])
     assert result.exit_code == 1 and "--draft-length must be an integer in 1..64" in result.stderr
-    result = CliRunner().invoke(main, ["bench", str(packages["gpt2"]), "--gamma", "0,2"])
-    assert result.exit_code == 1 and "--gamma is deprecated" in result.stderr
-    assert "--gamma must be an integer in 1..64" in result.stderr
 
 
 def test_plot_without_matplotlib_is_refused_before_benchmarking(packages, tmp_path, monkeypatch):

@@ -103,21 +103,11 @@ def test_drafter_none_decodes_with_the_target_alone(packages):
     assert out["stats"]["speculative"] is False and out["stats"]["drafted"] == 0
 
 
-def test_the_former_flags_still_work_with_a_one_line_notice(packages):
-    """--gamma is --draft-length and --no-draft is --drafter none, each taken with one line on
-    stderr (hidden from --help); given with the current name too, the former wins, as in the
-    library (config.former_settings)."""
-    current = run("generate", packages["llama"], "x =", "-n", 8, "--draft-length", 3,
-                  "--drafter", "none", "--schedule", "fixed", "--json")
-    former = run("generate", packages["llama"], "x =", "-n", 8, "--draft-length", 5,
-                 "--gamma", 3, "--no-draft", "--schedule", "fixed", "--json")
-    assert former.exit_code == 0, former.output
-    assert json.loads(former.stdout)["text"] == json.loads(current.stdout)["text"]
-    assert json.loads(former.stdout)["stats"]["drafted"] == 0
-    assert "warning: --gamma is deprecated; use --draft-length" in former.stderr
-    assert "warning: --no-draft is deprecated; use --drafter none" in former.stderr
-    assert "warning" not in current.stderr
-    assert "--gamma" not in run("generate", "--help").output
+def test_the_former_flags_are_gone(packages):
+    """--gamma and --no-draft had no release behind them: --draft-length and --drafter none."""
+    for flag in (["--gamma", "3"], ["--no-draft"]):
+        result = run("generate", packages["llama"], "x =", "-n", 8, *flag)
+        assert result.exit_code == 2 and "No such option" in result.stderr
     assert "--draft-length" in run("generate", "--help").output
 
 
@@ -180,7 +170,6 @@ BAD_INPUTS = {
     "presence penalty past 2": (lambda p, t: ["generate", p["gpt2"], "hi", "--presence-penalty", 3], "presence_penalty must be a number in [-2, 2]"),
     "draft length zero": (lambda p, t: ["generate", p["gpt2"], "hi", "--draft-length", 0], "--draft-length must be an integer in 1..64"),
     "draft length far too large": (lambda p, t: ["generate", p["gpt2"], "hi", "-k", 100000], "--draft-length must be an integer in 1..64"),
-    "former --gamma far too large": (lambda p, t: ["generate", p["gpt2"], "hi", "--gamma", 100000], "gamma must be an integer in 1..64"),
     "negative seed": (lambda p, t: ["generate", p["gpt2"], "hi", "--seed", -1], "seed must be None or an integer >= 0"),
     "prompt not UTF-8": (lambda p, t: ["generate", p["gpt2"], "\udcff"], "not valid UTF-8"),
     "manifest field of the wrong type": (

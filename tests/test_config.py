@@ -13,12 +13,11 @@ from edgespec.runtime.pipeline import make_config
 
 BAD_GENERATION = [
     dict(max_new_tokens="5"), dict(max_new_tokens=0), dict(max_new_tokens=2.5),
-    dict(gamma=0), dict(gamma=100_000), dict(gamma=4.0), dict(gamma="4"),
     dict(draft_length=0), dict(draft_length=65), dict(draft_length=True),
     dict(seed=-1), dict(seed="1"), dict(seed=1.5),
     dict(schedule="magic"), dict(schedule=None),
     dict(stop=("",)), dict(stop=("END", 5)), dict(stop="END"),
-    dict(use_draft="no"), dict(ignore_eos=1), dict(token_healing="yes"), dict(token_healing=None),
+    dict(ignore_eos=1), dict(token_healing="yes"), dict(token_healing=None),
     dict(sampling={"temperature": 1.0}),
 ]
 BAD_SAMPLING = [
@@ -56,43 +55,15 @@ def test_make_config_refuses_the_same_settings(settings):
 def test_draft_length_out_of_range_names_the_allowed_range():
     with pytest.raises(EdgespecError, match=r"draft_length must be an integer in 1\.\.64"):
         GenerationConfig(draft_length=100_000)
-    with pytest.raises(EdgespecError, match=r"gamma must be an integer in 1\.\.64"):
-        GenerationConfig(gamma=100_000)  # the former name, named as given
 
 
-def test_the_former_names_still_work_and_warn():
-    with pytest.warns(DeprecationWarning, match="draft_length"):
-        config = GenerationConfig(gamma=3)
-    with pytest.warns(DeprecationWarning, match="read draft_length"):
-        assert config.draft_length == config.gamma == 3
-    with pytest.warns(DeprecationWarning):
-        assert replace(config, gamma=5).draft_length == 5  # the former name wins, given last
-    with pytest.warns(DeprecationWarning, match='drafter="none"'):
-        alone = GenerationConfig(use_draft=False, drafter="ngram")
-    with pytest.warns(DeprecationWarning, match='read drafter != "none"'):
-        assert alone.drafter == "none" and not alone.use_draft
-    with pytest.warns(DeprecationWarning):
-        assert GenerationConfig().use_draft and make_config(use_draft=False).drafter == "none"
-        assert make_config(gamma=2).draft_length == 2
-
-
-def test_the_former_names_are_no_patch_of_the_generated_init():
-    """GenerationConfig takes its former names in its own __init__ (config.py), not by
-    replacing the dataclass's at import; positional fields and replace() work as before."""
-    import dataclasses
-
-    from edgespec import config as config_module
-
-    assert "__init__" in vars(GenerationConfig)
-    assert GenerationConfig.__init__.__module__ == "edgespec.config"
-    assert GenerationConfig.__init__.__qualname__ == "GenerationConfig.__init__"
-    assert not hasattr(config_module, "_GENERATED_INIT")
-    assert [f.name for f in dataclasses.fields(GenerationConfig)][:3] == [
-        "max_new_tokens", "sampling", "draft_length"]
-    with pytest.warns(DeprecationWarning):
-        config = GenerationConfig(16, SamplingConfig(), 4, gamma=6)  # the former name wins
-    assert (config.max_new_tokens, config.draft_length) == (16, 6)
-    assert replace(config, seed=1) == GenerationConfig(16, SamplingConfig(), 6, seed=1)
+def test_the_former_names_are_gone():
+    """gamma and use_draft had no release behind them: draft_length and drafter="none"."""
+    with pytest.raises(TypeError):
+        GenerationConfig(gamma=3)
+    with pytest.raises(EdgespecError, match="unknown generation setting.*gamma"):
+        make_config(gamma=2)
+    assert not hasattr(GenerationConfig(), "use_draft")
 
 
 def test_unknown_settings_and_a_wrong_base_are_config_errors():

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from fakes import (
     SAMPLED,
+    PrefixSession,
     RandomSchedule,
     exact_joint,
     fake_drafter,
@@ -99,9 +100,13 @@ def test_drafter_settings_are_validated():
     with pytest.raises(ConfigError, match="target only; use drafter ngram or none"):
         resolve_drafter(GenerationConfig(drafter="model"), None)
     assert resolve_drafter(GenerationConfig(), None) == "ngram"
-    assert resolve_drafter(GenerationConfig(), object()) == "mixed"  # a draft model
-    with pytest.warns(DeprecationWarning):  # the former way to say drafter="none"
-        assert resolve_drafter(GenerationConfig(drafter="ngram", use_draft=False), object()) == "none"
+    model, head = PrefixSession(4, 1.0, 0), PrefixSession(4, 1.0, 0)
+    head.reads_features = True  # as an EAGLE-3 head's session
+    assert resolve_drafter(GenerationConfig(), model) == "mixed"
+    assert resolve_drafter(GenerationConfig(drafter="model"), model) == "model"
+    assert resolve_drafter(GenerationConfig(), head) == "eagle3"
+    assert resolve_drafter(GenerationConfig(drafter="model"), head) == "eagle3"
+    assert resolve_drafter(GenerationConfig(drafter="none"), model) == "none"
 
 
 def test_a_drafter_without_a_name_is_refused_where_it_is_defined():

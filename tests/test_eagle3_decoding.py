@@ -73,7 +73,7 @@ def test_the_head_runs_as_the_pytorch_reference_reads_its_rows(eagle):
 
     pipe, model, config, reference = _reference(eagle["llama"])
     ids = pipe.encode("def add(a, b):\n    return")
-    drafter = make_drafter("model", pipe.draft, edgespec.GenerationConfig(),
+    drafter = make_drafter(edgespec.GenerationConfig(), pipe.draft,
                            GenerationStats(speculative=True), positions=64)
     assert isinstance(drafter, Eagle3Drafter)
     speculative._prefill(pipe.target, drafter, list(ids), 64, GenerationStats(speculative=True))
@@ -104,7 +104,7 @@ def test_after_verification_the_head_reruns_the_committed_rows_on_target_feature
     pipe, model, config, reference = _reference(eagle["llama"])
     ids = pipe.encode("import numpy as np\nx =")
     c = len(ids)
-    drafter = make_drafter("model", pipe.draft, edgespec.GenerationConfig(),
+    drafter = make_drafter(edgespec.GenerationConfig(), pipe.draft,
                            GenerationStats(speculative=True), positions=64)
     runner = speculative._prefill(pipe.target, drafter, list(ids), 64,
                                   GenerationStats(speculative=True))

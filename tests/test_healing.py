@@ -77,8 +77,8 @@ def test_the_index_equals_a_scan_on_any_strings(texts, prefix):
 
 
 def test_the_index_of_a_large_vocabulary_answers_as_a_scan():
-    """151,643 random texts (Qwen2's vocabulary size). Its speed is measured in README's
-    healing notes, not asserted here."""
+    """151,643 random texts (Qwen2's vocabulary size). Its speed is measured by
+    benchmarks, not asserted here."""
     rng = np.random.default_rng(0)
     alphabet = np.array(list("abcdefghijklmnopqrstuvwxyz_ (){}:\n.,é"))
     texts = ["".join(rng.choice(alphabet, rng.integers(1, 9))) for _ in range(151_643)]
@@ -234,7 +234,7 @@ def test_healing_off_is_the_loop_without_a_constrained_step(pipes):
         ids = pipe.encode(prompt)
         config = GenerationConfig(max_new_tokens=24, draft_length=3, schedule="fixed")
         stats = GenerationStats(speculative=True)
-        drafter = make_drafter("model", pipe.draft, config, stats,
+        drafter = make_drafter(config, pipe.draft, stats,
                                speculative.request_positions(len(ids), config))
         direct = [t for new in speculative.decode(
             pipe.target, drafter, ids, config, FixedSchedule(3), pipe.manifest.max_positions,

@@ -74,7 +74,7 @@ def _mixed():
     """A MixedDrafter whose draft model proposes token 0 everywhere."""
     stats = GenerationStats(speculative=True)
     draft = ZeroSession(8, 1.0, 0)
-    drafter = drafters.make_drafter("mixed", draft, GenerationConfig(), stats, positions=256)
+    drafter = drafters.make_drafter(GenerationConfig(), draft, stats, positions=256)
     drafter.begin(stats, None)
     return drafter
 

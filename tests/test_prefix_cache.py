@@ -219,13 +219,14 @@ def test_a_failed_generation_keeps_nothing(pairs, monkeypatch):
     assert len(reusing.prefix_cache) == 1
     calls = []
 
-    def failing(tokens, cache, keep=0):
+    def failing(tokens, cache, features=None, keep=0):
         calls.append(len(tokens))
         if len(calls) == 2:  # the first round, after the prefill moved the caches on
             raise RuntimeError("a run failed")
-        return type(reusing.target).forward(reusing.target, tokens, cache, keep=keep)
+        return type(reusing.target).forward_rows(reusing.target, tokens, cache, features,
+                                                 keep=keep)
 
-    monkeypatch.setattr(reusing.target, "forward", failing)
+    monkeypatch.setattr(reusing.target, "forward_rows", failing)
     with pytest.raises(RuntimeError, match="a run failed"):
         reusing.generate([*ids, 5, 6], **DRAFTED)
     assert len(reusing.prefix_cache) == 0  # taken, never put back

@@ -138,6 +138,7 @@ class _CountingSession:
     """A stand-in session that counts its runs (calibrate only needs forward and new_cache)."""
 
     vocab_size = 100
+    reads_features = False
 
     def __init__(self):
         self.runs = []

@@ -86,10 +86,9 @@ def test_a_completion_equals_generate_with_the_same_settings(client, demo, setti
     assert {"acceptance_rate", "tokens_per_target_call", "tokens_per_s"} <= set(out["edgespec"])
 
 
-def test_the_library_the_cli_and_the_server_name_each_setting_alike(client, demo, caplog):
+def test_the_library_the_cli_and_the_server_name_each_setting_alike(client, demo):
     """draft_length and drafter are the library's keywords, the server's fields and, dashed,
-    the CLI's flags; the former gamma and use_draft=False (--gamma, --no-draft) are the same
-    settings on every surface (config.former_settings), each with a notice."""
+    the CLI's flags: the same settings on every surface."""
 
     def texts(library: dict, server: dict, flags: list) -> list[tuple[str, int]]:
         lib = demo.generate(PROMPT, max_new_tokens=12, schedule="fixed", **library)
@@ -105,15 +104,8 @@ def test_the_library_the_cli_and_the_server_name_each_setting_alike(client, demo
                     {"draft_length": 3, "drafter": "model"},
                     ["--draft-length", "3", "--drafter", "model"])
     assert len(set(current)) == 1 and current[0][1] > 0
-    with pytest.warns(DeprecationWarning, match="gamma"), caplog.at_level("WARNING"):
-        former = texts({"gamma": 3, "drafter": "model"}, {"gamma": 3, "drafter": "model"},
-                       ["--gamma", "3", "--drafter", "model"])
-    assert former == current
-    assert "a request gave gamma, deprecated: send draft_length" in caplog.text
     alone = texts({"drafter": "none"}, {"drafter": "none"}, ["--drafter", "none"])
-    with pytest.warns(DeprecationWarning, match="use_draft"):
-        former_alone = texts({"use_draft": False}, {"use_draft": False}, ["--no-draft"])
-    assert len(set(alone)) == 1 and alone[0][1] == 0 and former_alone == alone
+    assert len(set(alone)) == 1 and alone[0][1] == 0
 
 
 def test_openai_default_is_16_tokens_and_prompts_may_be_token_ids(client, demo):
@@ -170,7 +162,6 @@ BAD_COMPLETIONS = [  # body, status, param, code
     (b'{"model": "demo", "prompt": "x", "presence_penalty": 2.5}', 400, "presence_penalty", None),
     (b'{"model": "demo", "prompt": "x", "repetition_penalty": 0}', 400, "repetition_penalty",
      None),
-    (b'{"model": "demo", "prompt": "x", "gamma": 65}', 400, "gamma", None),
     (b'{"model": "demo", "prompt": "x", "draft_length": 65}', 400, "draft_length", None),
     (b'{"model": "demo", "prompt": "x", "schedule": "fast"}', 400, "schedule", None),
     (b'{"model": "demo", "prompt": "x", "drafter": "oracle"}', 400, "drafter", None),

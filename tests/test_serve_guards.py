@@ -346,7 +346,7 @@ def test_a_package_error_during_generation_is_a_500(demo, monkeypatch):
         raise ManifestError("target/model.onnx returned no logits; re-export the pair")
 
     with client_for(app) as c:
-        monkeypatch.setattr(demo.target, "forward", broken)
+        monkeypatch.setattr(demo.target, "forward_rows", broken)  # what the target's runs call
         error = assert_openai_error(c.post("/v1/completions", json=body()), 500, "package_error")
         assert "re-export" in error["message"] and error["type"] == "server_error"
         with c.stream("POST", "/v1/completions", json=body(stream=True)) as response:

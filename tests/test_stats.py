@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import pytest
 
+from edgespec.runtime.speculative import Round
 from edgespec.runtime.stats import GenerationStats
+
+
+def drafted(k: int, n: int, source: str = "model") -> Round:
+    """A round that drafted k tokens from ``source`` and accepted the first n."""
+    return Round([0] * (n + 1), drafted=k, accepted=n, sources=(source,) * k)
 
 
 def run(rounds, **counters) -> GenerationStats:
     stats = GenerationStats(speculative=True, **counters)
     for k, n in rounds:
-        stats.record_round(k, n)
-        stats.draft_lengths[k] = stats.draft_lengths.get(k, 0) + 1
+        stats.record_round(drafted(k, n), "model")
     return stats
 
 
@@ -47,3 +52,14 @@ def test_other_time_is_what_the_runs_and_the_sampling_leave():
     stats = GenerationStats(speculative=True, total_s=1.0, prefill_s=0.2, draft_s=0.1,
                             target_s=0.4, sampling_s=0.05)
     assert stats.other_s == pytest.approx(0.25) and stats.as_dict()["other_s"] == stats.other_s
+
+
+def test_a_round_is_counted_per_source_and_its_paced_length():
+    stats = GenerationStats(speculative=True)
+    stats.record_round(Round([1, 2, 3], drafted=4, accepted=2,
+                             sources=("ngram", "ngram", "model", "forced")), "model")
+    stats.record_round(Round([5], drafted=0, accepted=0), "model")  # a plain target step
+    assert stats.drafted_by == {"ngram": 2, "model": 1, "forced": 1}
+    assert stats.accepted_by == {"ngram": 2, "model": 0, "forced": 0}
+    assert stats.draft_lengths == {1: 1, 0: 1} and stats.rounds == 1
+    assert "ngram 2 at 100%, model 1 at 0%, forced 1 at 0%" in stats.by_source()

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import click
 
-from edgespec.config import former_settings
 from edgespec.errors import ConfigError, EdgespecError
 
 
@@ -194,25 +193,6 @@ def check_chat_template(package: Path | None) -> Path:
             "with edgespec generate \"def fibonacci(n):\"")
     runtime().chat.load_chat_template(path, manifest)
     return path
-
-
-# each deprecated flag: the setting config.former_settings takes it as, and its current form
-FORMER_FLAGS = {"gamma": ("--gamma", "--draft-length"), "use_draft": ("--no-draft", "--drafter none")}
-
-
-def former_flags(**given) -> dict:
-    """The settings that deprecated flags stand for (``gamma``: --gamma's value, ``use_draft``:
-    False for --no-draft; None, not given), by the library's rule (config.former_settings),
-    each given with a one-line notice on stderr."""
-    for name, value in given.items():
-        if value is not None:
-            deprecated_flag(*FORMER_FLAGS[name])
-    return former_settings(**given, warn=False)
-
-
-def deprecated_flag(former: str, current: str) -> None:
-    """The one-line notice for a flag given by its former name (hidden from --help)."""
-    click.echo(f"warning: {former} is deprecated; use {current}", err=True)
 
 
 def sampling_options(command):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from edgespec.cli.base import deprecated_flag, main, resolve_package, runtime, user_errors
+from edgespec.cli.base import main, resolve_package, runtime, user_errors
 from edgespec.config import PROVIDERS, BenchConfig, check_draft_length
 
 _DEFAULTS = BenchConfig()
@@ -41,7 +41,6 @@ def _listed(values: tuple) -> str:
               show_default=True,
               help="Draft lengths to compare, comma-separated (the largest is the adaptive "
                    "schedule's most, as generate's --draft-length).")
-@click.option("--gamma", "former_draft_lengths", hidden=True, help="Deprecated: --draft-length.")
 @click.option("--temperature", "temperatures", default=_listed(_DEFAULTS.temperatures),
               show_default=True,
               help="Temperatures, comma-separated.")
@@ -72,7 +71,6 @@ def _listed(values: tuple) -> str:
 @click.pass_context
 @user_errors
 def bench(ctx: click.Context, package: Path | None, draft_lengths: str,
-          former_draft_lengths: str | None,
           temperatures: str, schedules: str, drafters: str, max_new_tokens: int, prompts_file: Path | None,
           repeats: int, json_out: Path | None, plot_out: Path | None, provider: str,
           quick: bool) -> None:
@@ -82,9 +80,6 @@ def bench(ctx: click.Context, package: Path | None, draft_lengths: str,
     from edgespec import bench as benchmark
 
     option = "--draft-length"
-    if former_draft_lengths is not None:
-        deprecated_flag("--gamma", option)
-        draft_lengths, option = former_draft_lengths, "--gamma"
     try:
         length_list, temperature_list = _ints(draft_lengths), _floats(temperatures)
     except ValueError as e:
@@ -98,8 +93,7 @@ def bench(ctx: click.Context, package: Path | None, draft_lengths: str,
         default = click.core.ParameterSource.DEFAULT
         config = replace(config, **{option: getattr(benchmark.QUICK, option)
                                     for option in _QUICK_OPTIONS
-                                    if ctx.get_parameter_source(option) == default
-                                    and not (option == "draft_lengths" and former_draft_lengths)})
+                                    if ctx.get_parameter_source(option) == default})
     if json_out:  # outputs checked now: the benchmark may take many minutes
         benchmark.check_writable(json_out, "--json")
     if plot_out:

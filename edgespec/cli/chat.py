@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from edgespec.cli.base import (check_chat_template, constraint_from, constraint_options,
-                               former_flags, main, runtime, sampling_line,
+                               main, runtime, sampling_line,
                                sampling_options, user_errors)
 from edgespec.config import (
     DRAFTERS,
@@ -52,7 +52,6 @@ REPLY_ROOM = 512
 @click.option("--draft-length", "-k", default=_DEFAULTS.draft_length, show_default=True,
               help="Draft length k: every round's (fixed), the first (heuristic), the most "
                    "(adaptive).")
-@click.option("--gamma", type=int, hidden=True, help="Deprecated: --draft-length.")
 @click.option("--schedule", default=_DEFAULTS.schedule, show_default=True,
               type=click.Choice(SCHEDULES), help="How each round's draft length is chosen.")
 @click.option("--drafter", default=_DEFAULTS.drafter, show_default=True,
@@ -66,7 +65,7 @@ def chat(package: Path | None, system: str | None, max_new_tokens: int | None,
          temperature: float | None, top_k: int | None, top_p: float | None,
          min_p: float | None, repetition_penalty: float | None,
          presence_penalty: float | None, frequency_penalty: float | None, seed: int | None,
-         draft_length: int, gamma: int | None, schedule: str, drafter: str,
+         draft_length: int, schedule: str, drafter: str,
          provider: str, json_schema: Path | None, json_object: bool, regex: str | None,
          grammar: Path | None) -> None:
     """Chat with the model in PACKAGE through its chat template (default: the demo pair,
@@ -77,11 +76,10 @@ def chat(package: Path | None, system: str | None, max_new_tokens: int | None,
              "frequency_penalty": frequency_penalty}
     # settings refused now, before the slow load (the draft length by the option's name)
     check_draft_length("--draft-length", draft_length)
-    drafting = {"draft_length": draft_length, **former_flags(gamma=gamma)}
     config = GenerationConfig(sampling=resolve_sampling(given, {}), schedule=schedule,
-                              seed=seed, drafter=drafter,
+                              seed=seed, drafter=drafter, draft_length=draft_length,
                               constraint=constraint_from(json_schema, json_object, regex,
-                                                         grammar), **drafting)
+                                                         grammar))
     path = check_chat_template(package)
     pipe = runtime().load(path, provider=provider)
     config = replace(config, sampling=resolve_sampling(given, pipe.manifest.generation))

@@ -14,7 +14,6 @@ from edgespec.cli.base import (
     check_chat_template,
     constraint_from,
     constraint_options,
-    former_flags,
     resolve_package,
     main,
     needs_export_extra,
@@ -113,7 +112,6 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
 @click.option("--draft-length", "-k", default=_DEFAULTS.draft_length, show_default=True,
               help="Draft length k: every round's (fixed), the first (heuristic), "
                    f"the most (adaptive, up to {ADAPTIVE_MAX_K}).")
-@click.option("--gamma", type=int, hidden=True, help="Deprecated: --draft-length.")
 @click.option("--schedule", default=_DEFAULTS.schedule, show_default=True,
               type=click.Choice(SCHEDULES),
               help="How each round's draft length is chosen.")
@@ -127,7 +125,6 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
               help="Longest suffix the n-gram lookup matches.")
 @click.option("--ngram-min", default=_DEFAULTS.ngram_min, show_default=True,
               help="Shortest suffix the n-gram lookup matches.")
-@click.option("--no-draft", is_flag=True, hidden=True, help="Deprecated: --drafter none.")
 @click.option("--ignore-eos", is_flag=True, help="Generate --max-new-tokens even past EOS.")
 @click.option("--token-healing/--no-token-healing", default=_DEFAULTS.token_healing,
               show_default=True,
@@ -149,10 +146,10 @@ def export(target: Path, draft: Path | None, out: Path, overwrite: bool, graph: 
 def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, min_p: float | None,
              repetition_penalty: float | None, presence_penalty: float | None,
-             frequency_penalty: float | None, draft_length: int, gamma: int | None,
+             frequency_penalty: float | None, draft_length: int,
              schedule: str,
              seed: int | None, stop: tuple[str, ...], drafter: str, ngram_max: int,
-             ngram_min: int, no_draft: bool, ignore_eos: bool, token_healing: bool,
+             ngram_min: int, ignore_eos: bool, token_healing: bool,
              provider: str, draft_provider: str | None, as_json: bool, as_chat: bool,
              system: str | None, json_schema: Path | None, json_object: bool,
              regex: str | None, grammar: Path | None) -> None:
@@ -179,8 +176,7 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
              "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
              "frequency_penalty": frequency_penalty}
     check_draft_length("--draft-length", draft_length)  # named as the option, not the field
-    drafting = {"draft_length": draft_length, "drafter": drafter,
-                **former_flags(gamma=gamma, use_draft=False if no_draft else None)}
+    drafting = {"draft_length": draft_length, "drafter": drafter}
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         sampling=resolve_sampling(given, {}),

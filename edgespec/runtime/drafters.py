@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -56,6 +56,10 @@ from edgespec.runtime.session import ModelSession
 from edgespec.runtime.stats import GenerationStats
 
 FORCED = "forced"  # the source of a proposal a constraint's grammar forced (no drafter ran)
+# What the adaptive schedule takes an n-gram lookup to cost per proposed token: a few dict
+# lookups and one index update, microseconds whatever the context (benchmarks/ngram_cost.py
+# measures it).
+NGRAM_STEP_MS = 0.005
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,17 @@ class Drafter:
     def paced(self) -> str:
         """The source whose proposals the schedule counts and paces (its k): its own."""
         return self.name
+
+    @property
+    def key(self) -> tuple:
+        """What its state depends on besides the text (its name, a lookup's n): a kept drafter
+        goes on only with a request whose drafter has the same key (prefix_cache.py)."""
+        return (self.name,)
+
+    def paced_costs(self, costs: StepCosts) -> StepCosts:
+        """The measured step costs as the schedule should weigh its proposals (a draft step is
+        its own run)."""
+        return costs
 
     def prefill(self, prompt: list[int]) -> None:
         """Take in the prompt before the first round (the model: all but its last token), from
@@ -409,6 +424,13 @@ class NgramDrafter(Drafter):
     def __init__(self, min_n: int, max_n: int, stats: GenerationStats):
         self.index, self.stats = NgramIndex(min_n, max_n), stats
 
+    @property
+    def key(self) -> tuple:
+        return (self.name, self.index.min_n, self.index.max_n)
+
+    def paced_costs(self, costs: StepCosts) -> StepCosts:
+        return replace(costs, draft_step_ms=NGRAM_STEP_MS)  # a lookup, not a model's run
+
     def prefill(self, prompt: list[int]) -> None:
         self.index.extend(prompt[len(self.index.tokens) :])
 
@@ -486,6 +508,10 @@ class MixedDrafter(Drafter):
     def cache(self) -> KVCache | InPlaceKVCache:
         """The draft model's cache."""
         return self.model.cache
+
+    @property
+    def key(self) -> tuple:
+        return (self.name, *self.text.key[1:])
 
     def most(self, k: int) -> int:
         return max(k, TEXT_MAX_K) if self.costs is not None else k
@@ -595,53 +621,39 @@ def tokens_from(committed: list[int], drafted: Sequence[int], start: int) -> lis
     return list(drafted[start - len(committed) :])
 
 
-def drafter_key(name: str, config: GenerationConfig) -> tuple:
-    """What a drafter's state depends on besides the text: its name (``resolve_drafter``'s),
-    and the n-gram lookup's n. A kept drafter goes on only with a request of the same key."""
-    looks_up = name in ("ngram", MixedDrafter.name)
-    return (name, config.ngram_min, config.ngram_max) if looks_up else (name,)
-
-
 def resolve_drafter(config: GenerationConfig, draft: ModelSession | None) -> str:
-    """The drafter a request gets: "auto" is the draft model and the text's continuation,
-    chosen per round (``MixedDrafter``), if the package has a draft model, its EAGLE-3 head if
-    it has one (which reads the target's features of every position, so it does not take
-    turns with the text), else the n-gram lookup."""
-    has_draft = draft is not None
-    if config.drafter == "auto":
-        if not has_draft:
-            return "ngram"
-        return "model" if getattr(draft, "reads_features", False) else MixedDrafter.name
-    if config.drafter == "model" and not has_draft:
-        raise ConfigError("drafter 'model' needs a draft model and this package is target only; "
-                          "use drafter ngram or none")
+    """The name of the drafter a request gets (config.DRAFTERS' "model" or "auto" resolved
+    with the package's ``draft``): "auto" is the draft model and the text's continuation,
+    chosen per round ("mixed"), if the package has a draft model; its EAGLE-3 head ("eagle3")
+    if it has one, which reads the target's features of every position and so does not take
+    turns with the text; else the n-gram lookup. Refuses the draft model of a target-only
+    package."""
+    if config.drafter in ("auto", "model"):
+        if draft is None:
+            if config.drafter == "model":
+                raise ConfigError("drafter 'model' needs a draft model and this package is "
+                                  "target only; use drafter ngram or none")
+            return NgramDrafter.name
+        if draft.reads_features:
+            return Eagle3Drafter.name
+        return MixedDrafter.name if config.drafter == "auto" else ModelDrafter.name
     return config.drafter
 
 
-def make_drafter(
-    name: str,
-    draft: ModelSession | None,
-    config: GenerationConfig,
-    stats: GenerationStats,
-    positions: int | None = None,
-) -> Drafter:
-    """A fresh drafter for one generation (``name`` as ``resolve_drafter`` gives it; a draft
-    model's cache starts with room for ``positions``)."""
-    kind = drafter_class(name, draft)
-    if kind is NgramDrafter:
+def make_drafter(config: GenerationConfig, draft: ModelSession | None, stats: GenerationStats,
+                 positions: int | None = None) -> Drafter:
+    """The drafter a request gets (``resolve_drafter``), fresh, timing its work into ``stats``;
+    a draft model's cache starts with room for ``positions``. Built once where the request is
+    read: its ``name`` is what the stats say, its ``key`` what a kept one must match, its
+    ``paced_costs`` what the schedule weighs."""
+    name = resolve_drafter(config, draft)
+    if name == NgramDrafter.name:
         return NgramDrafter(config.ngram_min, config.ngram_max, stats)
-    if kind is MixedDrafter:
+    if name == MixedDrafter.name:
         return MixedDrafter(ModelDrafter(draft, stats, positions),
                             NgramDrafter(config.ngram_min, config.ngram_max, stats), stats)
-    if kind is NoDrafter:
-        return NoDrafter()
-    return kind(draft, stats, positions)
-
-
-def drafter_class(name: str, draft: ModelSession | None) -> type[Drafter]:
-    """Which drafter ``name`` (``resolve_drafter``'s) is with this package's ``draft``: "model"
-    is an EAGLE-3 head's drafter when the draft reads the target's features. Its ``name`` is
-    what the stats report."""
-    if name == "model":
-        return Eagle3Drafter if getattr(draft, "reads_features", False) else ModelDrafter
-    return {"ngram": NgramDrafter, MixedDrafter.name: MixedDrafter}.get(name, NoDrafter)
+    if name == ModelDrafter.name:
+        return ModelDrafter(draft, stats, positions)
+    if name == Eagle3Drafter.name:
+        return Eagle3Drafter(draft, stats, positions)
+    return NoDrafter()

@@ -12,8 +12,6 @@ from pathlib import Path
 
 from edgespec.config import (
     ADAPTIVE_MAX_K,
-    FORMER_SETTINGS,
-    NO_DRAFTER,
     GenerationConfig,
     SamplingConfig,
     resolve_sampling,
@@ -22,7 +20,7 @@ from edgespec.errors import ConfigError, GenerationError
 from edgespec.manifest import Manifest
 from edgespec.runtime import calibration, numerics
 from edgespec.runtime.chat import chat_prompt_ids, load_chat_template
-from edgespec.runtime.drafters import drafter_class, drafter_key, make_drafter, resolve_drafter
+from edgespec.runtime.drafters import Drafter, make_drafter
 from edgespec.runtime.grammar import GrammarTokenizer
 from edgespec.runtime.healing import Healing, PrefixIndex, heal
 from edgespec.runtime.inputs import check_ids, check_text, load_tokenizer, text_bounds
@@ -43,10 +41,6 @@ from edgespec.runtime.stats import GenerationStats
 from edgespec.runtime.text import TextAssembler
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingConfig)}
-# What the adaptive schedule takes an n-gram lookup to cost per proposed token: a few dict
-# lookups and one index update, microseconds whatever the context (benchmarks/ngram_cost.py
-# measures it).
-NGRAM_STEP_MS = 0.005
 
 
 @dataclass
@@ -230,13 +224,16 @@ class Pipeline:
                 f"the prompt has {len(prompt_ids)} tokens but the context window is {limit}; "
                 "shorten the prompt"
             )
-        drafter = resolve_drafter(config, self.draft)
         # compiled now, so that a constraint that does not compile fails before any text
         grammar = (self.grammar_tokenizer.compile(config.constraint)
                    if config.constraint is not None else None)
         threads = {role: c.threads for role, c in self.session_configs.items()}
-        stats = GenerationStats(speculative=drafter != NO_DRAFTER, threads=threads,
-                                drafter=drafter_class(drafter, self.draft).name)
+        stats = GenerationStats(speculative=False, threads=threads)
+        # what proposes the drafts, decided here once: a kept one of the same key may take
+        # its place (_caches)
+        drafter = make_drafter(config, self.draft, stats,
+                               request_positions(len(prompt_ids), config))
+        stats.speculative, stats.drafter = drafter.drafts, drafter.name
         text: TextAssembler | None = None  # made once the prompt is healed (or not)
         cancelled = threading.Event()
 
@@ -251,10 +248,10 @@ class Pipeline:
             text = TextAssembler(self.tokenizer, config.stop, healing.context if healing else None,
                                  stats.healed)
             eos = set() if config.ignore_eos else set(self.manifest.eos_token_ids)
-            schedule = self._schedule(config, drafter, stats)  # adaptive may measure costs first
             ids = healing.prompt if healing else prompt_ids
             kept = self._caches(ids, drafter, config, stats)
-            kept.drafter.begin(stats, getattr(schedule, "costs", None))
+            schedule, costs = self._schedule(config, kept.drafter, stats)  # may measure costs
+            kept.drafter.begin(stats, costs)
             rounds = decode(self.target, kept.drafter, ids, config, schedule, limit, eos, stats,
                             first_allowed=healing.allowed if healing else None,
                             cache=kept.target, grammar=grammar)
@@ -295,25 +292,25 @@ class Pipeline:
                 self.tokenizer.to_str(), self.manifest.vocab_size, self.manifest.eos_token_ids)
         return self._grammar_tokenizer
 
-    def _caches(self, ids: list[int], drafter: str, config: GenerationConfig,
+    def _caches(self, ids: list[int], drafter: Drafter, config: GenerationConfig,
                 stats: GenerationStats) -> KeptCaches:
         """The target cache and drafter a generation from ``ids`` starts with: the kept ones
-        sharing the longest prefix with ``ids``, cropped to it (``stats.prompt_tokens_reused``
-        says how many positions), else new ones; the caller ``begin``s the drafter."""
-        key = drafter_key(drafter, config)
-        kept, stats.prompt_tokens_reused = self.prefix_cache.take(ids, key)
+        of ``drafter``'s key sharing the longest prefix with ``ids``, cropped to it
+        (``stats.prompt_tokens_reused`` says how many positions), else a new cache and
+        ``drafter``; the caller ``begin``s the drafter."""
+        kept, stats.prompt_tokens_reused = self.prefix_cache.take(ids, drafter.key)
         if kept is None:
             positions = request_positions(len(ids), config)
-            return KeptCaches([], self.target.new_cache(positions),
-                              make_drafter(drafter, self.draft, config, stats, positions), key)
+            return KeptCaches([], self.target.new_cache(positions), drafter, drafter.key)
         return kept
 
-    def _schedule(self, config: GenerationConfig, drafter: str,
-                  stats: GenerationStats) -> Schedule:
-        if drafter == NO_DRAFTER:
-            return FixedSchedule(0)
+    def _schedule(self, config: GenerationConfig, drafter: Drafter, stats: GenerationStats
+                  ) -> tuple[Schedule, StepCosts | None]:
+        """The request's schedule, and the step costs it weighs (None: it measures none)."""
+        if not drafter.drafts:
+            return FixedSchedule(0), None
         if config.schedule == "heuristic":
-            return HeuristicSchedule(config.draft_length)
+            return HeuristicSchedule(config.draft_length), None
         if config.schedule == "adaptive":
             kmax = min(config.draft_length, ADAPTIVE_MAX_K)
             first_use = kmax not in self._costs
@@ -321,10 +318,9 @@ class Pipeline:
             # this request paid for the costs only on their first use in this process
             stats.calibration = self.calibration[kmax] if first_use else "reused"
             stats.calibration_s = self.calibration_s[kmax] if first_use else 0.0
-            if drafter == "ngram":  # a lookup costs microseconds, not a draft model's run
-                costs = replace(costs, draft_step_ms=NGRAM_STEP_MS)
-            return AdaptiveSchedule(costs, sampled=not config.sampling.greedy)
-        return FixedSchedule(config.draft_length)
+            return AdaptiveSchedule(drafter.paced_costs(costs),
+                                    sampled=not config.sampling.greedy), costs
+        return FixedSchedule(config.draft_length), None
 
     def _check_numerics(self) -> Numerics:
         """The run shapes that hold on this CPU (numerics.py), read back from the calibration
@@ -381,8 +377,7 @@ class Pipeline:
         max_new_tokens, draft_length, schedule, drafter, ngram_min, ngram_max, seed, stop,
         ignore_eos, token_healing, constraint (a config.Constraint the text must match),
         temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
-        frequency_penalty (and, deprecated, gamma for draft_length and
-        use_draft=False for drafter="none"). Without ``config``, sampling
+        frequency_penalty. Without ``config``, sampling
         starts from the package's defaults (``default_sampling``: its target's
         generation_config.json, else greedy) and keyword settings override them. The
         generation starts from the kept caches of an earlier one that share a prefix with the
@@ -431,7 +426,7 @@ def make_config(config: GenerationConfig | None = None,
         settings["stop"] = ((stop,) if isinstance(stop, str)
                             else tuple(stop) if isinstance(stop, Iterable) else stop)
     fields_ = {f.name for f in fields(GenerationConfig)} - {"sampling"}
-    unknown = set(settings) - fields_ - {"sampling", *FORMER_SETTINGS}
+    unknown = set(settings) - fields_ - {"sampling"}
     if unknown:
         raise ConfigError(f"unknown generation setting(s): {', '.join(sorted(unknown))}; "
                           f"known: {', '.join(sorted(_SAMPLING_FIELDS | fields_))}")

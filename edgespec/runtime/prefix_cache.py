@@ -49,7 +49,7 @@ class KeptCaches:
     text: list[int]  # the committed text (prompt and generated tokens)
     target: KVCache | InPlaceKVCache  # covers text[:-1]
     drafter: Drafter  # covers a prefix of text[:-1]
-    key: tuple  # drafters.drafter_key: the drafter's state goes on only with the same key
+    key: tuple  # Drafter.key: the drafter's state goes on only with the same key
 
     @property
     def nbytes(self) -> int:

@@ -253,7 +253,7 @@ def calibrate(
     share = budget_s / (kmax + 2 + len(longer))
 
     def run(session: ModelSession, tokens: np.ndarray, cache) -> None:
-        if getattr(session, "reads_features", False):
+        if session.reads_features:
             # an EAGLE-3 head reads feature rows: zeros cost what the target's features do
             features = np.zeros((len(tokens), session.feature_size), np.float32)
             session.forward_rows(tokens, cache, features)

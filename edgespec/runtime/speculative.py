@@ -34,36 +34,27 @@ from edgespec.runtime.stats import GenerationStats
 
 @dataclass
 class TargetRunner:
-    """The target's session and cache during one generation; it times its own runs.
-
-    ``stats`` None: untimed (the prefill, timed as a whole). ``drafter``: given the feature
-    rows of every run of a target that outputs them (an EAGLE-3 pair's; ``target_features``).
-    """
+    """The target's session and cache during one generation; it times its own runs into
+    ``stats``, and gives the feature rows a run returns (an EAGLE-3 pair's target: the session
+    returns rows) to ``drafter.target_features``."""
 
     session: ModelSession
     cache: KVCache | InPlaceKVCache
-    stats: GenerationStats | None = None
-    drafter: Drafter | None = None
+    stats: GenerationStats
+    drafter: Drafter
 
-    @classmethod
-    def start(cls, session: ModelSession, positions: int | None = None,
-              stats: GenerationStats | None = None) -> "TargetRunner":
-        """An empty cache with room for ``positions`` tokens to start with (it grows if needed)."""
-        return cls(session, session.new_cache(positions), stats)
-
-    def run(self, committed: list[int], extra: Sequence[int] = (), keep: int = 0) -> np.ndarray:
+    def run(self, committed: list[int], extra: Sequence[int] = (), keep: int = 0,
+            timed: bool = True) -> np.ndarray:
         """Feed the committed tokens the cache lacks, then ``extra``; logits ``[n, V]`` (of the
-        last ``keep`` rows if given: a prefill keeps one)."""
+        last ``keep`` rows if given: a prefill keeps one). ``timed`` False: not counted (the
+        prefill, timed as a whole)."""
         start = time.perf_counter()
         first = self.cache.length
         tokens = np.array([*committed[first:], *extra])
-        if getattr(self.session, "row_output", None) is None:  # no rows: all but EAGLE-3 targets
-            logits = self.session.forward(tokens, self.cache, keep=keep)
-        else:
-            logits, rows = self.session.forward_rows(tokens, self.cache, keep=keep)
-            if self.drafter is not None:
-                self.drafter.target_features(first, rows)
-        if self.stats is not None:
+        logits, rows = self.session.forward_rows(tokens, self.cache, keep=keep)
+        if rows is not None:
+            self.drafter.target_features(first, rows)
+        if timed:
             self.stats.target_s += time.perf_counter() - start
             self.stats.target_calls += 1
         return logits
@@ -116,7 +107,8 @@ def speculative_round(
     drafter with nothing to propose, makes the round one target step, the token drawn from p_n
     alone (k = 0 does not ask the drafter). Greedy reads no uniforms.
     Returns what happened (the 1..k+1 tokens to commit, drafted, accepted); the target's cache
-    ends covering the new ``committed[:-1]``, the drafter's state a prefix of it. ``stats``
+    ends covering ``committed`` and the drafts (``_commit`` crops it and the drafter's state
+    to what is committed). ``stats``
     only receives the sampling time (the sessions time their own runs). ``penalties``: the
     repetition penalties of the request (penalties.py), None: none. ``limit``: the most
     tokens it may draft (a text match and forced tokens go past k, never past the window).
@@ -163,11 +155,9 @@ def speculative_round(
             p = process_row(logits[k], sampling)
             next_token = p.draw(u[k, 0]) if q is None else position_token(p, q, u[k])
 
-    # 5. commit; the target's cache and the drafter roll back to the accepted prefix
+    # 5. the accepted prefix and the next token; the caller commits them and crops both
+    #    caches to them (``_commit``): the target's covers every draft until then
     new_tokens = [*draft_tokens[:n_accepted], next_token]
-    keep = len(committed) + n_accepted  # = len(new committed) - 1
-    target.cache.crop(keep)
-    drafter.rollback(keep)
     return Round(new_tokens, drafted=k, accepted=n_accepted, sources=proposal.sources)
 
 
@@ -258,8 +248,7 @@ def decode(
     if first_allowed is not None:
         new = [constrained_step(target_runner, committed, first_allowed, config.sampling,
                                 uniforms, stats, penalties)]
-        if drafter.drafts:
-            stats.draft_lengths[0] = stats.draft_lengths.get(0, 0) + 1
+        stats.record_round(Round(new, drafted=0, accepted=0), drafter.paced, drafter.drafts)
         new = _commit(new, 1, committed, target_runner, drafter, eos_token_ids, stats, started)
         yield new
         stats.finish_reason = _finish_reason(new, committed, config, max_positions,
@@ -285,18 +274,15 @@ def _prefill(target: ModelSession, drafter: Drafter, prompt: list[int], position
     ``cache``: one covering a prefix of ``prompt[:-1]`` (only the rest is run), None: a new
     one with room for ``positions``; one covering the prompt's last token is refused."""
     if cache is None:
-        target_runner = TargetRunner.start(target, positions)
+        cache = target.new_cache(positions)
     elif cache.length > len(prompt) - 1:
         raise CacheError(f"a cache of {cache.length} positions cannot start a prompt of "
                          f"{len(prompt)} tokens: it must cover every token but the last")
-    else:
-        target_runner = TargetRunner(target, cache)
-    target_runner.drafter = drafter
+    target_runner = TargetRunner(target, cache, stats, drafter)
     with _timed(stats, "prefill_s"):
-        if len(prompt) - 1 > target_runner.cache.length:
-            target_runner.run(prompt[:-1], keep=1)  # its logits go unread
+        if len(prompt) - 1 > cache.length:
+            target_runner.run(prompt[:-1], keep=1, timed=False)  # its logits go unread
         drafter.prefill(prompt)
-    target_runner.stats = stats
     return target_runner
 
 
@@ -315,12 +301,9 @@ def _scheduled_round(target: TargetRunner, drafter: Drafter, committed: list[int
     k = min(wanted, max(room - 1, 1))
     done = speculative_round(target, drafter, committed, k, config.sampling, uniforms, stats,
                              penalties, limit=max(room - 1, k))
-    if done.drafted:
-        stats.record_round(done.drafted, done.accepted, done.sources)
+    stats.record_round(done, drafter.paced, drafter.drafts)
     if drafter.drafts:
-        own, own_accepted = done.of(drafter.paced)
-        stats.draft_lengths[own] = stats.draft_lengths.get(own, 0) + 1
-        schedule.update(own, n_accepted=own_accepted)
+        schedule.update(*done.of(drafter.paced))
         drafter.observe(committed, done.tokens, done.sources, done.accepted)
     return done.tokens
 
@@ -329,19 +312,18 @@ def _commit(new: list[int], room: int, committed: list[int], target: TargetRunne
             drafter: Drafter, eos_token_ids: set[int], stats: GenerationStats,
             started: float) -> list[int]:
     """Append a step's tokens to ``committed``, at most ``room`` of them and up to and with an
-    EOS, and count them; returns them. Checks the cache invariant first (the target's cache
-    covers every committed token but the last), and crops both caches back to it when tokens
-    are dropped (the last round's surplus, what came after an EOS), so that it holds when
-    decoding ends too: the next generation may start from these caches (prefix_cache.py)."""
-    if target.cache.length != len(committed) + len(new) - 1:
-        raise CacheError(f"the target's cache covers {target.cache.length} tokens, "
-                         f"not the {len(committed) + len(new) - 1} committed before the last")
+    EOS, and count them; returns them. The one place the caches are cropped: both to every
+    committed token but the last (the cache invariant; the target's covered the step's drafts,
+    and a crop past what it covers raises), so that it holds between steps and when decoding
+    ends: the next generation may start from these caches (prefix_cache.py)."""
     ends_at_eos = next((i for i, t in enumerate(new) if t in eos_token_ids), None)
-    end = min(room, len(new) if ends_at_eos is None else ends_at_eos + 1)
-    if end < len(new):  # dropped, and the caches with them
-        new = new[:end]
-        target.cache.crop(len(committed) + end - 1)
-        drafter.rollback(len(committed) + end - 1)
+    new = new[: min(room, len(new) if ends_at_eos is None else ends_at_eos + 1)]
+    keep = len(committed) + len(new) - 1
+    if target.cache.length < keep:
+        raise CacheError(f"the target's cache covers {target.cache.length} tokens, "
+                         f"not the {keep} committed before the last")
+    target.cache.crop(keep)
+    drafter.rollback(keep)
     committed += new
     stats.new_tokens += len(new)
     stats.total_s = time.perf_counter() - started

@@ -78,10 +78,17 @@ class GenerationStats:
         total.finish_reason = reasons.pop() if len(reasons) == 1 else "mixed" if reasons else ""
         return total
 
-    def record_round(self, k: int, n_accepted: int, sources: Iterable[str] = ()) -> None:
-        """Count a round that drafted k tokens (from ``sources``, one per token) and accepted
-        the first ``n_accepted``."""
-        for i, source in enumerate(sources):
+    def record_round(self, done, paced: str, drafts: bool = True) -> None:
+        """Count a round (speculative.Round: its drafts, their sources, the accepted prefix);
+        ``paced``: the source whose k the schedule picks, whose proposals ``draft_lengths``
+        counts (a k = 0 round, a target step, included while ``drafts``)."""
+        k, n_accepted = done.drafted, done.accepted
+        if drafts:
+            own = sum(source == paced for source in done.sources)
+            self.draft_lengths[own] = self.draft_lengths.get(own, 0) + 1
+        if not k:
+            return
+        for i, source in enumerate(done.sources):
             self.drafted_by[source] = self.drafted_by.get(source, 0) + 1
             self.accepted_by[source] = self.accepted_by.get(source, 0) + (i < n_accepted)
         grow = k - len(self.drafted_at)

@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from edgespec.config import FORMER_SETTINGS, Constraint, resolve_sampling
+from edgespec.config import Constraint, resolve_sampling
 from edgespec.errors import EdgespecError
 from edgespec.runtime.inputs import check_ids, text_bounds
 from edgespec.runtime.pipeline import Pipeline
@@ -355,8 +355,6 @@ def _start(server: Server, job: Job, body: Settings, prompt: str | list[int],
     if server.stopping.is_set():
         raise shutting_down()
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    for name in body.former_names():
-        log.warning("a request gave %s, deprecated: send %s", name, FORMER_SETTINGS[name])
     try:
         stream = server.pipe.stream(
             prompt, prompt_ids=prompt_ids, max_new_tokens=max_tokens,

@@ -4,8 +4,7 @@ by the schema, with the field's name, before anything else looks at it.
 Fields as OpenAI defines them (its API reference, "Completions" and "Chat"), then edgespec's
 own: top_k, min_p, repetition_penalty, draft_length, schedule, drafter, ignore_eos,
 token_healing (a text prompt of /v1/completions only; runtime/healing.py), named as
-GenerationConfig's fields; the former gamma and use_draft are still taken (deprecated:
-config.former_settings, the library's rule). Unknown fields are ignored, as OpenAI's
+GenerationConfig's fields. Unknown fields are ignored, as OpenAI's
 clients send some that change nothing here; those that would change the output and that
 edgespec cannot honour (penalties, logprobs, several choices) are refused by ``unsupported``.
 """
@@ -19,12 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from edgespec.config import (
     DRAFTERS,
-    FORMER_SETTINGS,
     MAX_DRAFT_LENGTH,
     SCHEDULES,
     Constraint,
     GenerationConfig,
-    former_settings,
 )
 from edgespec.serve.errors import shown
 
@@ -72,9 +69,6 @@ class Settings(_Body):
     draft_length: int = Field(_DEFAULTS.draft_length, ge=1, le=MAX_DRAFT_LENGTH)
     schedule: Literal[SCHEDULES] = _DEFAULTS.schedule  # type: ignore[valid-type]
     drafter: Literal[DRAFTERS] = _DEFAULTS.drafter  # type: ignore[valid-type]
-    # their former names (deprecated; the server logs a notice): draft_length, drafter "none"
-    gamma: int | None = Field(None, ge=1, le=MAX_DRAFT_LENGTH)
-    use_draft: bool | None = None
     ignore_eos: bool = False
     token_healing: bool = _DEFAULTS.token_healing
     # OpenAI's structured output (vLLM takes it for completions too): ``constraint``
@@ -95,14 +89,8 @@ class Settings(_Body):
         return stop
 
     def drafting(self) -> dict:
-        """draft_length and drafter as GenerationConfig takes them, a former name given
-        standing for its setting as in the library (config.former_settings)."""
-        return {"draft_length": self.draft_length, "drafter": self.drafter,
-                **former_settings(self.gamma, self.use_draft, warn=False)}
-
-    def former_names(self) -> list[str]:
-        """The deprecated fields this request gave."""
-        return [name for name in FORMER_SETTINGS if getattr(self, name) is not None]
+        """draft_length and drafter as GenerationConfig takes them."""
+        return {"draft_length": self.draft_length, "drafter": self.drafter}
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for the first setting edgespec cannot honour, or None."""
