@@ -108,7 +108,7 @@ def test_greedy_output_with_the_draft_is_target_only_output(pair):
 
 def test_a_seed_gives_one_sampled_text_whatever_the_draft_length(pair):
     """The sampled loop at Gemma's shapes: every position draws with its own random numbers,
-    so one seed gives one text at k = 2 and k = 4 (README, --seed), with tokens drafted."""
+    so one seed gives one text at k = 2 and k = 4 (docs/generate.md, --seed), with tokens drafted."""
     pipe = edgespec.load(pair)
     texts = [pipe.generate(PROMPTS[0], max_new_tokens=20, temperature=0.8, seed=5,
                            draft_length=k, schedule="fixed") for k in (2, 4)]

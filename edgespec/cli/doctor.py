@@ -43,7 +43,7 @@ def doctor(packages: tuple[Path, ...], provider: str) -> None:
     click.echo(f"onnxruntime: {builds}; providers: {', '.join(ort.get_available_providers())}")
     if len(providers.INSTALLED_BUILDS) > 1:
         click.echo("warning: several onnxruntime builds are installed over one another; keep "
-                   "one (README: GPUs)", err=True)
+                   "one (docs/providers.md: GPUs)", err=True)
     found = {"demo": resolve_package(None)}
     found |= {name: path for name in MODELS if (path := built_package(name)) is not None}
     found |= given

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from edgespec.errors import ExportError, shown
 
-# the default in words, as help texts and the README state it
+# the default in words, as help texts and docs/export.md state it
 RULE = "2, L/2, L-3 (vLLM's and EAGLE's); a target under 7 layers: L/4, L/2, L-1"
 
 

