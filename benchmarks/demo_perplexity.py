@@ -2,7 +2,7 @@
 
 Two text sets, each one token stream (every file preceded by EOS, as the recipe encodes) cut
 into consecutive windows of context + 1 tokens, every token after a window's first predicted
-once, as ``edgespec/models/recipe/evaluate.py`` scores the pair in PyTorch:
+once, as ``edgespec/models/training/evaluate.py`` scores the pair in PyTorch:
 
 - ``recipe``: the recipe's own held-out split of the running interpreter's standard library
   (the files ``split_corpus`` holds out, never trained on);
@@ -39,8 +39,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from edgespec.models import demo_package
-    from edgespec.models.recipe.config import RecipeConfig
-    from edgespec.models.recipe.corpus import find_corpus, split_corpus, stdlib_dir
+    from edgespec.models.training.config import RecipeConfig
+    from edgespec.models.training.corpus import find_corpus, split_corpus, stdlib_dir
     from edgespec.runtime.machine import describe, machine_info
 
     packages = [Path(p) for p in args.packages] or [demo_package()]
@@ -81,7 +81,7 @@ def score_package(package: Path, sets: dict[str, list[Path]], threads: int) -> d
     from tokenizers import Tokenizer
 
     from edgespec.manifest import Manifest
-    from edgespec.models.recipe.corpus import _read_source
+    from edgespec.models.training.corpus import _read_source
     from edgespec.runtime.providers import SessionConfig
     from edgespec.runtime.session import ModelSession
 

@@ -1,6 +1,6 @@
 """A short learning-rate sweep of the demo target's recipe, before a longer retrain.
 
-Trains the demo target (edgespec/models/recipe, its default shape and data) for the same
+Trains the demo target (edgespec/models/training, its default shape and data) for the same
 wall-clock budget at each peak learning rate, on an otherwise idle machine, and scores each on
 the recipe's held-out split (perplexity, float32). Same seed and data order for every run, so
 the runs differ by the learning rate alone (and by how many steps the budget allowed).
@@ -29,10 +29,10 @@ def main() -> None:
 
     import torch
 
-    from edgespec.models.recipe.build import prepare_corpus
-    from edgespec.models.recipe.config import RecipeConfig
-    from edgespec.models.recipe.evaluate import evaluate
-    from edgespec.models.recipe.train import train_target
+    from edgespec.models.training.build import prepare_corpus
+    from edgespec.models.training.config import RecipeConfig
+    from edgespec.models.training.evaluate import evaluate
+    from edgespec.models.training.train import train_target
     from edgespec.runtime.machine import describe, machine_info
 
     machine = machine_info()

@@ -11,12 +11,14 @@ command line starts, and answers Ctrl-C, before the heavy imports.
 from edgespec import models  # light: paths only (edgespec.models.demo_package())
 from edgespec.config import Constraint, GenerationConfig, SamplingConfig
 from edgespec.errors import EdgespecError
+from edgespec.loading import load  # light: the runtime is imported when it is called
 
 __version__ = "0.1.0"
 
-_RUNTIME = ("GenerationResult", "GenerationStats", "Pipeline", "SessionConfig", "load")
+_RUNTIME = ("GenerationResult", "GenerationStats", "Pipeline", "SessionConfig")
 
-__all__ = ["Constraint", "EdgespecError", "GenerationConfig", "SamplingConfig", "models", *_RUNTIME]
+__all__ = ["Constraint", "EdgespecError", "GenerationConfig", "SamplingConfig", "load", "models",
+           *_RUNTIME]
 
 
 def __getattr__(name: str):

@@ -1,6 +1,8 @@
-"""The package manifest, ``edgespec.json``: what an exported folder holds and how to run it.
+"""The package format: the manifest, ``edgespec.json`` (what an exported folder holds and how
+to run it), and the names of the files and graph inputs and outputs beside it.
 
-Written by the exporter, read by the runtime; plain JSON so both sides stay light.
+Written by the exporter, read by the runtime: the one module of the format both import (the
+bottom floor; it imports only config and errors); plain JSON so both sides stay light.
 """
 
 from __future__ import annotations
@@ -20,6 +22,24 @@ FORMAT_VERSION = 2  # 2: a fused graph takes logits_to_keep, which edgespec befo
 READ_VERSIONS = (1, 2)  # a package of version 1 still loads (its graphs score every row)
 TOKENIZER_NAME = "tokenizer.json"
 CHAT_TEMPLATE_NAME = "chat_template.jinja"  # optional: the target tokenizer's chat template
+# A graph's folder: its data file, and for tensors made at load (runtime/unpack.py, written by
+# export/onnx_io.py) the recipes and the external-data location they are declared at
+DATA_NAME = "model.onnx_data"
+UNPACK_NAME = "unpack.json"
+LOCATION = "edgespec.unpacked"
+# a made tensor's recipe mark ("packed"), in the order the load lets them go
+# (runtime/loader.py): MatMulNBits' weights and MatMul's right-hand side, which the kernels
+# pack as the session loads; MatMulNBits' scales and zero points, which int8 compute packs
+# with the weights and float compute reads at every run
+PACKED_GROUPS = ("weights", "scales", "zero_points")
+# Graph inputs and outputs beyond input_ids, the mask, positions, logits and the KV cache.
+# An EAGLE-3 pair's rows (export/eagle3.py): the target outputs FEATURES (fc of its aux hidden
+# states) for every row it runs; the head reads them as its input of that name and outputs
+# HIDDEN_OUT, which it reads back as FEATURES for the rows it drafts on its own
+FEATURES, HIDDEN_OUT = "eagle_features", "hidden_out"
+# a fused graph's input: score only the run's last rows (int64 [1]; 0: all of them): a
+# prefill's logits are thrown away, and a 2,048-token prompt's are 1.2 GB at 152k tokens
+LOGITS_TO_KEEP = "logits_to_keep"
 # Everything an export (or the demo recipe) writes into a package folder: --overwrite replaces
 # a folder only if it holds nothing else.
 PACKAGE_ENTRIES = frozenset(

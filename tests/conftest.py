@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from edgespec.errors import EdgespecError
-from edgespec.models import named
+from edgespec.models import registry
 
 SLOW_TIMEOUT_S = 900  # a test marked slow (a venv and pip, a full re-export) may take this long
 
@@ -28,9 +28,9 @@ def pytest_collection_modifyitems(items) -> None:
 
 # Step costs the adaptive schedule measures are cached per user (runtime/calibration.py): tests
 # (and the CLI processes they start) use a fresh folder, never the user's, and always measure.
-# The real models built there (models/named.py) stay where they are: tests read them.
+# The real models built there (models/registry.py) stay where they are: tests read them.
 with contextlib.suppress(EdgespecError):  # no folder to name: no real model either
-    os.environ.setdefault("EDGESPEC_MODELS_DIR", str(named.models_folder()))
+    os.environ.setdefault("EDGESPEC_MODELS_DIR", str(registry.models_folder()))
 os.environ["EDGESPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="edgespec-test-cache-")
 
 CORPUS = [

@@ -285,7 +285,7 @@ def test_the_command_line_starts_without_the_heavy_imports():
 
 def test_build_demo_help_states_the_recipes_own_defaults():
     """The budgets' defaults are RecipeConfig's, not a copy that drifts from it."""
-    from edgespec.models.recipe.config import RecipeConfig
+    from edgespec.models.training.config import RecipeConfig
 
     result = run("models", "build-demo", "--help")
     text = " ".join(result.output.split())

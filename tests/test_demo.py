@@ -14,7 +14,7 @@ from edgespec.bench import read_prompts
 from edgespec.cli import main
 from edgespec.manifest import PROMPTS_NAME, REPORT_NAME, Manifest
 from edgespec.models import demo_package
-from edgespec.models.recipe.build import DEMO_EXPORT
+from edgespec.models.training.build import DEMO_EXPORT
 
 CHECKPOINTS = Path(__file__).parents[1] / "checkpoints" / "demo"
 # Greedy acceptance rate (accepted / drafted, k = 4) of the shipped draft on these prompts: 0.43

@@ -95,8 +95,8 @@ def test_the_teacher_ends_replies_at_any_of_the_targets_end_tokens(tmp_path):
     reply after the first it writes, whichever it is (a target stub replies)."""
     from types import SimpleNamespace
 
-    from edgespec.export.pair import read_checkpoint
-    from edgespec.models.recipe.teacher import answer, end_tokens, load_target
+    from edgespec.export.source import read_checkpoint
+    from edgespec.models.training.teacher import answer, end_tokens, load_target
 
     target_path, eot = _llama3_target(tmp_path / "target")
     checkpoint = read_checkpoint(target_path, "target")
@@ -140,7 +140,7 @@ def test_distill_help_states_the_configs_defaults():
     from click.testing import CliRunner
 
     from edgespec.cli import main
-    from edgespec.models.recipe.config import DistillConfig
+    from edgespec.models.training.config import DistillConfig
 
     help_text = CliRunner().invoke(main, ["distill", "--help"]).output
     chunks = {chunk.split()[0]: " ".join(chunk.split())  # each option's own lines
@@ -158,7 +158,7 @@ def test_distill_help_states_the_configs_defaults():
 def test_continuations_fewer_tokens_than_a_batch_still_make_one_batch():
     """``--data code --tokens 1000`` asks for fewer continuations than one generated batch:
     one whole batch is made (it was an 8-row store for 32 rows, a RuntimeError)."""
-    from edgespec.models.recipe.teacher import target_continuations
+    from edgespec.models.training.teacher import target_continuations
 
     target = llama(50, 32, 1, seed=3)
     stream = torch.randint(0, 50, (200,))

@@ -88,7 +88,7 @@ def test_target_graph_outputs_fc_of_the_aux_streams(target, head, tmp_path):
     import onnxruntime as ort
 
     from edgespec.export.fused import EAGLE_FEATURES, build_fused_graph
-    from edgespec.runtime.session import LOGITS_TO_KEEP
+    from edgespec.manifest import LOGITS_TO_KEEP
 
     model, _ = target
     config, tensors, reference = head

@@ -1,4 +1,4 @@
-"""Training EAGLE-3 heads (models/recipe/eagle3_head.py): the training-time-test unroll is the
+"""Training EAGLE-3 heads (models/training/eagle3_head.py): the training-time-test unroll is the
 runtime's chain, row for row, and a short training run writes a head that exports, raises the
 held-out acceptance, and resumes from its checkpoint."""
 
@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from conftest import llama  # noqa: E402
 
 from edgespec.export.eagle3 import Eagle3Head, HeadTensors, aux_features, read_head_config  # noqa: E402
-from edgespec.models.recipe.eagle3_head import (  # noqa: E402
+from edgespec.models.training.eagle3_head import (  # noqa: E402
     Example,
     TrainableHead,
     TrainSettings,
@@ -86,7 +86,7 @@ def test_unroll_step_s_is_the_runtime_chain_after_s_own_rows(target, trainable):
 def test_unroll_rejects_a_chain_that_forgets_its_own_rows(target, trainable, monkeypatch):
     """The same comparison with the unroll's chain keys dropped (each step attends only to
     the true rows before its chain) must fail: the test can tell."""
-    import edgespec.models.recipe.eagle3_head as module
+    import edgespec.models.training.eagle3_head as module
 
     config = trainable.config
     ids, aux = _inputs(target, config, seed=1)

@@ -196,7 +196,7 @@ def test_load_lets_go_of_the_tensors_it_made(packages, monkeypatch):
     gets them as copies (the path of packages without the location file)."""
     import shutil
 
-    from edgespec.runtime import unpack
+    from edgespec.runtime import loader, unpack
 
     package = packages["llama_k"]
     marks = {name: recipe.get("packed") for name, recipe in
@@ -212,7 +212,7 @@ def test_load_lets_go_of_the_tensors_it_made(packages, monkeypatch):
     (copies / "target" / unpack.LOCATION).unlink()
     copied = edgespec.load(copies)
     assert copied.target.session.edgespec_unpacked == {}  # onnxruntime holds its own copies
-    monkeypatch.setattr(unpack, "release_unpacked", lambda session, probe: 0)
+    monkeypatch.setattr(loader, "release_unpacked", lambda session, probe: 0)
     kept = edgespec.load(package)
     assert set(kept.target.session.edgespec_unpacked) == set(marks)
     np.testing.assert_array_equal(_logits(pipe), _logits(kept))

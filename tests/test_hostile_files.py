@@ -177,17 +177,17 @@ def test_models_build_refuses_a_hostile_gguf(tmp_path, monkeypatch):
     import hashlib
     from dataclasses import replace
 
-    from edgespec.models import named
+    from edgespec.models import registry
 
     monkeypatch.setenv("EDGESPEC_MODELS_DIR", str(tmp_path / "models"))
     bad = gguf_file(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf",
                     **GGUF_CASES["block_count"][0])
     assert_one_line(["models", "build", "smollm2", "--from", str(bad)],
                     "is not the file this model pins")  # the pin refuses it first
-    model = named.MODELS["smollm2"]  # pinned to the hostile file: its header is what refuses
+    model = registry.MODELS["smollm2"]  # pinned to the hostile file: its header is what refuses
     pin = replace(model.target, size=bad.stat().st_size,
                   sha256=hashlib.sha256(bad.read_bytes()).hexdigest())
-    monkeypatch.setitem(named.MODELS, "smollm2", replace(model, target=pin))
+    monkeypatch.setitem(registry.MODELS, "smollm2", replace(model, target=pin))
     assert_one_line(["models", "build", "smollm2", "--from", str(bad)],
                     GGUF_CASES["block_count"][1])
     assert [p.name for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")] == []
@@ -493,7 +493,7 @@ def test_feature_stage_refuses_a_planted_link(tmp_path):
     import torch
 
     from conftest import llama
-    from edgespec.models.recipe.eagle3_head import Example, feature_stage
+    from edgespec.models.training.eagle3_head import Example, feature_stage
 
     target = llama(20, 32, 3, seed=0)
     outside = tmp_path / "outside.pt"

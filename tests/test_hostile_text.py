@@ -151,12 +151,12 @@ def test_a_templates_escape_sequences_are_shown_escaped(chat_package, tmp_path):
 
 def test_distilling_renders_the_checkpoints_template_as_transformers_does_within_bounds(
         chat_package, monkeypatch):
-    """Before: the teacher's answer (models/recipe/teacher.py) called apply_chat_template,
+    """Before: the teacher's answer (models/training/teacher.py) called apply_chat_template,
     whose Jinja folds constants while compiling (HUGE: 6.3 GB in the training process) and has
     no deadline (LOOPING)."""
     from transformers import PreTrainedTokenizerFast
 
-    from edgespec.models.recipe.teacher import chat_ids
+    from edgespec.models.training.teacher import chat_ids
 
     monkeypatch.setattr(bounded_text, "LIBRARY_TIMEOUT_S", 1.0)
     manifest = json.loads((chat_package / "edgespec.json").read_text())

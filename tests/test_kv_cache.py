@@ -8,7 +8,8 @@ import pytest
 
 import edgespec
 from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
-from edgespec.runtime.session import LOGITS_TO_KEEP, ModelSession
+from edgespec.manifest import LOGITS_TO_KEEP
+from edgespec.runtime.session import ModelSession
 
 
 def filled_cache(length: int) -> KVCache:

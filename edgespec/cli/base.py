@@ -129,6 +129,14 @@ def runtime():
         return edgespec.runtime
 
 
+def loader():
+    """``edgespec.load`` (edgespec/loading.py), the runtime imported while signals wait."""
+    runtime()
+    from edgespec.loading import load
+
+    return load
+
+
 @contextlib.contextmanager
 def _signals_held():
     """Hold Ctrl-C and SIGTERM while C extensions import: an import interrupted half-way can
@@ -161,21 +169,21 @@ def resolve_package(package: Path | None) -> Path:
     """PACKAGE as a command was given it: None, the demo pair; a path, as it is; the name of a
     real model that is not also a path here (``edgespec models list``), its package, built
     into the cache folder on first use with progress lines (needs the export extra)."""
-    from edgespec.models import named
+    from edgespec.models import fetch, registry
 
     if package is None:
         return demo_package()
     name = str(package)
-    if package.exists() or name not in named.MODELS:
-        return named.package_path(package)  # a folder, or a typo's close name refused
-    built = named.built_package(name)
+    if package.exists() or name not in registry.MODELS:
+        return registry.package_path(package)  # a folder, or a typo's close name refused
+    built = registry.built_package(name)
     if built is not None:
         return built
     needs_export_extra("edgespec.export.package")
-    model = named.MODELS[name]
+    model = registry.MODELS[name]
     click.echo(f"{model.title} is not built yet: building it once into "
-               f"{named.models_folder() / name} (edgespec models build {name})", err=True)
-    return named.build(name, progress=lambda line: click.echo(line, err=True))
+               f"{registry.models_folder() / name} (edgespec models build {name})", err=True)
+    return fetch.build(name, progress=lambda line: click.echo(line, err=True))
 
 
 def check_chat_template(package: Path | None) -> Path:

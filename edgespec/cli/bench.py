@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from edgespec.cli.base import main, resolve_package, runtime, user_errors
+from edgespec.cli.base import loader, main, resolve_package, user_errors
 from edgespec.config import PROVIDERS, BenchConfig, check_draft_length
 
 _DEFAULTS = BenchConfig()
@@ -76,7 +76,7 @@ def bench(ctx: click.Context, package: Path | None, draft_lengths: str,
           quick: bool) -> None:
     """Speedup of speculative over target-only decoding, measured side by side. Ctrl-C prints
     the table of the runs finished so far."""
-    load = runtime().load
+    load = loader()
     from edgespec import bench as benchmark
 
     option = "--draft-length"

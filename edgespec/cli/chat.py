@@ -17,9 +17,16 @@ from pathlib import Path
 
 import click
 
-from edgespec.cli.base import (check_chat_template, constraint_from, constraint_options,
-                               main, runtime, sampling_line,
-                               sampling_options, user_errors)
+from edgespec.cli.base import (
+    check_chat_template,
+    constraint_from,
+    constraint_options,
+    loader,
+    main,
+    sampling_line,
+    sampling_options,
+    user_errors,
+)
 from edgespec.config import (
     DRAFTERS,
     PROVIDERS,
@@ -81,7 +88,7 @@ def chat(package: Path | None, system: str | None, max_new_tokens: int | None,
                               constraint=constraint_from(json_schema, json_object, regex,
                                                          grammar))
     path = check_chat_template(package)
-    pipe = runtime().load(path, provider=provider)
+    pipe = loader()(path, provider=provider)
     config = replace(config, sampling=resolve_sampling(given, pipe.manifest.generation))
     session = ChatSession(pipe, config, max_new_tokens, system)
     interactive = sys.stdin.isatty()

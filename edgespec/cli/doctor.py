@@ -24,7 +24,7 @@ def doctor(packages: tuple[Path, ...], provider: str) -> None:
     import onnxruntime as ort
 
     from edgespec import __version__
-    from edgespec.models.named import MODELS, built_package
+    from edgespec.models.registry import MODELS, built_package
 
     from edgespec.manifest import Manifest
 

@@ -14,10 +14,10 @@ from edgespec.cli.base import (
     check_chat_template,
     constraint_from,
     constraint_options,
-    resolve_package,
+    loader,
     main,
     needs_export_extra,
-    runtime,
+    resolve_package,
     sampling_options,
     user_errors,
 )
@@ -155,7 +155,7 @@ def generate(args: tuple[str, ...], max_new_tokens: int, temperature: float | No
              regex: str | None, grammar: Path | None) -> None:
     """Continue PROMPT with the exported pair in PACKAGE (default: the demo pair); with
     --chat, answer it as a chat message."""
-    load = runtime().load
+    load = loader()
 
     if len(args) > 2:
         raise click.ClickException(

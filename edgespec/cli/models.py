@@ -9,8 +9,8 @@ import click
 
 from edgespec.cli.base import main, needs_export_extra, user_errors
 from edgespec.export.aux_layers import RULE as AUX_LAYERS_RULE
-from edgespec.models.named import MODELS
-from edgespec.models.recipe.config import DistillConfig, RecipeConfig
+from edgespec.models.registry import MODELS
+from edgespec.models.training.config import DistillConfig, RecipeConfig
 
 RECIPE = RecipeConfig()  # build-demo's defaults: the recipe's own
 DISTILL = DistillConfig()  # distill's defaults
@@ -27,7 +27,7 @@ def models() -> None:
 def list_models(packages: tuple[Path, ...]) -> None:
     """Show the bundled model pairs (and any PACKAGES given), their size and where they live."""
     from edgespec.models import describe_package, describe_pairs
-    from edgespec.models.named import describe_named
+    from edgespec.models.registry import describe_named
 
     for line in describe_pairs():
         click.echo(line)
@@ -63,9 +63,9 @@ def build(name: str, source: Path | None, overwrite: bool, target_compute: str |
     """Build the package of a real model NAME into the cache folder (needs the export extra);
     commands then take NAME where they take a package."""
     needs_export_extra("edgespec.export.package")
-    from edgespec.models import named
+    from edgespec.models import fetch
 
-    named.build(name, source, progress=lambda line: click.echo(line, err=True),
+    fetch.build(name, source, progress=lambda line: click.echo(line, err=True),
                 overwrite=overwrite, target_compute=target_compute, quantize=quantize)
     click.echo(f"try: edgespec chat {name}", err=True)
 
@@ -89,7 +89,7 @@ def build_demo(out: Path, target_minutes: float, draft_minutes: float,
     """Train the demo pair on this Python's standard library and export it (needs the export extra)."""
     if out.exists():
         raise click.ClickException(f"{out} already exists; choose another --out")
-    recipe = needs_export_extra("edgespec.models.recipe")
+    recipe = needs_export_extra("edgespec.models.training")
     config = recipe.RecipeConfig(seed=seed, threads=threads, target_minutes=target_minutes,
                                  draft_minutes=draft_minutes)
     report = recipe.build_demo_package(out, config, target_checkpoint=target_checkpoint,
@@ -142,7 +142,7 @@ def distill(target: Path, out: Path, data: str, minutes: float, max_steps: int |
                            tokens=tokens, new_tokens=new_tokens, seed=seed,
                            aux_layers=tuple(aux_layers) if aux_layers else None)
     config.check_paths(target, out)  # before torch loads (seconds)
-    recipe = needs_export_extra("edgespec.models.recipe.eagle3_distill")
+    recipe = needs_export_extra("edgespec.models.training.eagle3_distill")
 
     def report(line: str) -> None:
         click.echo(line, err=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from edgespec.cli.base import main, needs_serve_extra, resolve_package, runtime, user_errors
+from edgespec.cli.base import loader, main, needs_serve_extra, resolve_package, user_errors
 from edgespec.config import PROVIDERS
 from edgespec.serve.config import (
     DOWNSCALE_DELAY_S,
@@ -132,7 +132,7 @@ def serve(package: Path | None, host: str, port: int, model_name: str | None,
                                  upscale_delay, downscale_delay, drain_timeout))
     sock = serving.server.bind(host, port)  # first: a port in use is reported at once
     try:
-        pipe = runtime().load(resolve_package(package), provider=provider,
+        pipe = loader()(resolve_package(package), provider=provider,
                                draft_provider=draft_provider)
         app = serving.build_app(pipe, config)
     except BaseException:

@@ -34,7 +34,7 @@ from edgespec.export.fused import _MS, _OPSET, EAGLE_FEATURES, EMBED, _Builder
 from edgespec.export.onnx_io import EXTERNAL_ABOVE, WeightStore, write_graph
 from edgespec.export.precision import QUANT_BLOCK_SIZE
 from edgespec.manifest import ModelSpec
-from edgespec.runtime.session import HIDDEN_OUT
+from edgespec.manifest import HIDDEN_OUT, LOGITS_TO_KEEP
 
 HEAD_TOLERANCE = 1e-3  # max |logit difference| of a float32 head graph against PyTorch
 
@@ -218,8 +218,7 @@ def export_head(config: HeadConfig, target_tensors, root: Path, variant: str, va
 
 def target_features(path: Path, ids: np.ndarray) -> np.ndarray:
     """A fused target graph's eagle_features ``[s, h]`` for ``ids`` ``[s]`` (one run)."""
-    from edgespec.runtime.session import LOGITS_TO_KEEP
-    from edgespec.runtime.unpack import inference_session
+    from edgespec.runtime.loader import inference_session
 
     session = inference_session(path)  # a GGUF target's blocks are made at load
     feeds = {"input_ids": ids[None].astype(np.int64),

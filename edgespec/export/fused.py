@@ -53,8 +53,8 @@ from edgespec.export.families import (GEMMA, QK_NORM, attention_scale, embed_sca
 from edgespec.export.memory import trim
 from edgespec.export.onnx_io import EXTERNAL_ABOVE, WeightStore, write_graph
 from edgespec.export.precision import INT8_COMPUTE, QUANT_BLOCK_SIZE, quantize_blocks
-from edgespec.runtime.session import FEATURES as EAGLE_FEATURES  # an EAGLE-3 head's input
-from edgespec.runtime.session import LOGITS_TO_KEEP
+from edgespec.manifest import FEATURES as EAGLE_FEATURES  # an EAGLE-3 head's input
+from edgespec.manifest import LOGITS_TO_KEEP
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"  # the checkpoint's names
 ONES_BYTES = 1 << 20  # block sums by a MatMul with ones up to this size of ones, else ReduceSum

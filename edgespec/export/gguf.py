@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from edgespec.errors import ExportError, one_line
-from edgespec.export.pair import Checkpoint
+from edgespec.export.checkpoint import Checkpoint
 from edgespec.export.gguf_blocks import REPACKED, Packed, concat, repack
 from edgespec.export.gguf_header import refuse_early
 from edgespec.export.tensors import TensorIndex

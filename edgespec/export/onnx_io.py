@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec.runtime.unpack import DATA_NAME, LOCATION, UNPACK_NAME
+from edgespec.manifest import DATA_NAME, LOCATION, UNPACK_NAME
 
 PROTOBUF_LIMIT = 2**31 - 2**26  # a .onnx file holds at most 2 GB; leave room for the graph
 EXTERNAL_ABOVE = 2**26  # graphs built here keep larger weights in model.onnx_data: inline
@@ -53,12 +53,12 @@ class WeightStore:
         if self.recipes and exc[0] is None:
             (self.folder / UNPACK_NAME).write_text(json.dumps(self.recipes) + "\n")
             # onnxruntime checks that an external location exists even for initializers the
-            # session is handed in place (runtime/unpack.py): an empty file under that name
+            # session is handed in place (runtime/loader.py): an empty file under that name
             (self.folder / LOCATION).write_bytes(b"")
 
     def mark_packed(self, nodes) -> None:
         """Mark the made tensors that only kernels which pack their weights as the session
-        loads read (recipe key ``"packed"``, one of runtime/unpack.py's ``GROUPS``: it hands
+        loads read (recipe key ``"packed"``, one of manifest.py's ``PACKED_GROUPS``: it hands
         them over in place and lets go of the groups no run reads): ``"weights"`` for
         MatMulNBits' weights and MatMul's right-hand side, ``"scales"`` and ``"zero_points"``
         for MatMulNBits' (packed with the weights by int8 compute, read at every run by float

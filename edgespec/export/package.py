@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 import edgespec
 from edgespec.config import EXPORT_DTYPES, EXPORT_GRAPHS, EXPORT_QUANTIZATIONS
 from edgespec.errors import ExportError
+from edgespec.export.checkpoint import Checkpoint
 from edgespec.export.destination import atomic_folder, check_destination
 from edgespec.export.eagle3 import HeadConfig, HeadTensors, is_eagle3_head, read_head_config
 from edgespec.export.eagle3_graph import export_head
@@ -41,8 +42,9 @@ from edgespec.export.precision import (
 )
 from edgespec.export.gguf import GGUFCheckpoint, GGUFTensors, find_gguf, forget_reader
 from edgespec.export.gguf_blocks import REPACKED
-from edgespec.export.pair import Checkpoint, check_pair, read_checkpoint
+from edgespec.export.pair import check_pair
 from edgespec.export.runs import TARGET_COMPUTES, choose_runs, set_compute
+from edgespec.export.source import read_checkpoint
 from edgespec.export.tensors import CheckpointTensors, ModelTensors, safetensors_files
 from edgespec.export.vocab import TOKEN_IDS_NAME, coverage, frequent_tokens, given_tokens
 from edgespec.export.validate import (
@@ -55,7 +57,7 @@ from edgespec.export.validate import (
 from edgespec.manifest import CHAT_TEMPLATE_NAME, TOKENIZER_NAME, Manifest, ModelSpec
 from edgespec.runtime.package_checks import tokenizer_fingerprint
 from edgespec.runtime.run_checks import PADDED
-from edgespec.runtime.unpack import give_back_freed_memory
+from edgespec.runtime.loader import give_back_freed_memory
 
 Progress = Callable[[str], None]
 VALIDATION_LENGTH = 32  # tokens compared against PyTorch (past the widest sliding window)

@@ -45,7 +45,7 @@ def rank_tokens(counts: Counter[int], vocab_size: int, size: int, always: list[i
                 ) -> np.ndarray:
     """The ranking (module docstring): ``always`` first, then the ids by count, ties and the
     rest by id; the first ``size`` of them, ascending int32. The one ranking of draft
-    vocabularies, here and for drafts trained on the target's texts (models/recipe/)."""
+    vocabularies, here and for drafts trained on the target's texts (models/training/)."""
     if not 0 < size <= vocab_size:
         raise ExportError(f"draft_vocab must be in 1..{vocab_size} (the vocabulary), got {size}")
     ranked = sorted((i for i in counts if i < vocab_size), key=lambda i: (-counts[i], i))

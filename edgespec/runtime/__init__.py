@@ -1,7 +1,7 @@
 """The edge runtime: onnxruntime, NumPy and tokenizers only. Never import torch here."""
 
-from edgespec.runtime.pipeline import GenerationResult, Pipeline, TextStream, load
+from edgespec.runtime.pipeline import GenerationResult, Pipeline, TextStream
 from edgespec.runtime.providers import SessionConfig
 from edgespec.runtime.stats import GenerationStats
 
-__all__ = ["GenerationResult", "GenerationStats", "Pipeline", "SessionConfig", "TextStream", "load"]
+__all__ = ["GenerationResult", "GenerationStats", "Pipeline", "SessionConfig", "TextStream"]

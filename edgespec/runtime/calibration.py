@@ -24,8 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import platformdirs
-
+from edgespec.cache import cache_folder
 from edgespec.manifest import MANIFEST_NAME
 from edgespec.runtime.machine import cpu_model, instruction_sets, onnxruntime_build, usable_cores
 from edgespec.runtime.schedule import LONG_RUNS, StepCosts
@@ -33,18 +32,6 @@ from edgespec.runtime.schedule import LONG_RUNS, StepCosts
 FILE_NAME = "calibration.json"
 FORMAT = 1
 MAX_ENTRIES = 64  # oldest dropped first: one entry per package x settings, a few KB in all
-
-
-def cache_folder() -> Path | None:
-    """Where the store lives; None where no folder can be named (no HOME, and a user id
-    without a passwd entry, as in some containers): costs are then measured, not stored."""
-    if folder := os.environ.get("EDGESPEC_CACHE_DIR"):
-        return Path(folder)
-    try:
-        folder = Path(platformdirs.user_cache_dir("edgespec", appauthor=False))
-    except RuntimeError:  # platformdirs could not name the home folder
-        return None
-    return folder if folder.is_absolute() else None  # "~" left as it is: no home to name
 
 
 def package_stamp(package: Path, model_paths: list[str]) -> str:

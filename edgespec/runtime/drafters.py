@@ -345,8 +345,8 @@ class Eagle3Drafter(Drafter):
 
 # What one (token, n-gram length) entry of an NgramIndex holds in CPython at most, its key and
 # list slot: text whose n-grams are all new (`python benchmarks/ngram_cost.py --memory 100000`
-# measures 20 bytes for one token repeated, 165 for random ids). The index is bounded by the
-# context window: 16 MB for 32,768 tokens at n = 1..3.
+# measures it: benchmarks/RESULTS.md, "Memory"). The index is bounded by the context window:
+# at most about 3 x INDEX_BYTES_PER_ENTRY bytes a token at n = 1..3.
 INDEX_BYTES_PER_ENTRY = 170
 
 

@@ -437,37 +437,3 @@ def make_config(config: GenerationConfig | None = None,
     if base is None or isinstance(base, SamplingConfig):  # anything else: refused below
         base = resolve_sampling(sampling, asdict(base) if base else {})
     return replace(config, sampling=base, **settings)
-
-
-def load(
-    path: str | Path | None = None,
-    provider: str = "auto",
-    draft_provider: str | None = None,
-    target: SessionConfig | None = None,
-    draft: SessionConfig | None = None,
-    calibration_cache: bool = True,
-    prefix_cache_slots: int = 1,
-    prefix_cache_bytes: int | None = None,
-) -> Pipeline:
-    """Load an exported package (``path`` None: the bundled demo pair; a named model's name,
-    ``edgespec models list``, its built package).
-
-    provider: where both models run ("auto", "cpu", "cuda", "tensorrt"); draft_provider, if
-    given, overrides it for the draft (a tiny draft can stay on the CPU next to a GPU target).
-    target / draft: full SessionConfig per model, overriding the defaults.
-    calibration_cache: read the adaptive schedule's step costs from, and store them in, the
-        user's cache folder (runtime/calibration.py); False measures them in this process.
-    prefix_cache_slots, prefix_cache_bytes: how many generations' KV caches are kept, and
-        how much memory they may hold (None: no cap), for the next generation to start from
-        the longest prefix it shares with one (runtime/prefix_cache.py); 0 slots keeps none.
-    """
-    if path is None:
-        from edgespec.models import demo_package
-
-        path = demo_package()
-    else:
-        from edgespec.models.named import package_path
-
-        path = package_path(path)
-    return Pipeline(path, target, draft, provider, draft_provider, calibration_cache,
-                    prefix_cache_slots, prefix_cache_bytes)

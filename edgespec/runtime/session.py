@@ -8,21 +8,14 @@ import numpy as np
 import onnxruntime as ort
 
 from edgespec.errors import ManifestError
-from edgespec.manifest import ModelSpec
-from edgespec.runtime import unpack
+from edgespec.manifest import FEATURES, HIDDEN_OUT, LOGITS_TO_KEEP, ModelSpec
+from edgespec.runtime import loader
 from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
 from edgespec.runtime.package_checks import check_graph_io, check_probe_run
 from edgespec.runtime.providers import SessionConfig, fallback_warning, provider_chain
 
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 INITIAL_POSITIONS = 256  # an in-place cache's first size when no request length is given
-# An EAGLE-3 pair's rows (export/eagle3.py): the target outputs FEATURES (fc of its aux hidden
-# states) for every row it runs; the head reads them as its input of that name and outputs
-# HIDDEN_OUT, which it reads back as FEATURES for the rows it drafts on its own
-FEATURES, HIDDEN_OUT = "eagle_features", "hidden_out"
-# a fused graph's input: score only the run's last rows (int64 [1]; 0: all of them): a
-# prefill's logits are thrown away, and a 2,048-token prompt's are 1.2 GB at 152k tokens
-LOGITS_TO_KEEP = "logits_to_keep"
 # The run sizes whose reads decide which made tensors the load may let go (``_probe``): a lone
 # token and a verify-sized run take different kernels, whatever min_run_tokens says (a manifest
 # may be wrong for this CPU, and the load's own checks run lone tokens)
@@ -52,8 +45,8 @@ class ModelSession:
         options.intra_op_num_threads = config.threads
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.spin else "0")
-        try:  # with the tensors made from a GGUF file's compact blocks (runtime/unpack.py)
-            self.session = unpack.inference_session(path, options, chain)
+        try:  # with the tensors made from a GGUF file's compact blocks (runtime/loader.py)
+            self.session = loader.inference_session(path, options, chain)
         except Exception as e:  # onnxruntime raises its own untyped errors for bad files
             raise ManifestError(f"cannot load {path}: {e}; re-export the pair") from None
         self.providers = self.session.get_providers()
@@ -73,7 +66,7 @@ class ModelSession:
         self.max_positions = max_positions
         self.device = "cuda" if self.providers[0] != "CPUExecutionProvider" else "cpu"
         check_probe_run(path, self)  # a graph that cannot decode fails here, not at a request
-        unpack.release_unpacked(self.session, self._probe)  # onnxruntime holds copies
+        loader.release_unpacked(self.session, self._probe)  # onnxruntime holds copies
 
     def _probe(self) -> list[np.ndarray]:
         """The outputs of runs of each of PROBE_RUNS tokens on an empty cache, as fed (no

@@ -135,10 +135,10 @@ class Edgespec:
 
     def __init__(self, package: str, config: ServeConfig, threads: int, provider: str,
                  draft_provider: str | None):
-        import edgespec.runtime
+        import edgespec
 
         target, draft = _session_configs(Path(package), threads, provider, draft_provider)
-        self.pipe = edgespec.runtime.load(package, target=target, draft=draft)
+        self.pipe = edgespec.load(package, target=target, draft=draft)
         self.config = config
 
     def __serve_build_asgi_app__(self):

@@ -32,8 +32,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 from edgespec.errors import EdgespecError
 from edgespec.export.destination import write_file
 from edgespec.export.gguf_header import check_gguf
-from edgespec.models.recipe import chat_prompts
-from edgespec.models.recipe.saved import is_list_of, is_tensor, load_saved
+from edgespec.models.training import chat_prompts
+from edgespec.models.training.saved import is_list_of, is_tensor, load_saved
 
 _BATCH = 8  # windows per teacher run
 _GEN_BATCH = 32  # continuations generated together
@@ -164,7 +164,7 @@ class EndTokens:
 
 
 def end_tokens(checkpoint) -> EndTokens:
-    """The end tokens of a target read by export/pair.py's read_checkpoint, as the exporter
+    """The end tokens of a target read by export/source.py's read_checkpoint, as the exporter
     takes them (generation_config's eos_token_id, one or several, else config.json's, else the
     tokenizer's eos_token; a GGUF file's EOS and EOT ids), and its pad: the tokenizer's pad
     token, else the first end token.

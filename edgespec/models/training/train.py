@@ -8,11 +8,11 @@ from itertools import repeat
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from edgespec.models.recipe.config import RecipeConfig
-from edgespec.models.recipe.loop import Budget, LoopState, train_loop, warmup_then_cosine
-from edgespec.models.recipe.losses import next_token_loss, sparse_kl
-from edgespec.models.recipe.model import new_model
-from edgespec.models.recipe.teacher import target_continuations, teacher_targets
+from edgespec.models.training.config import RecipeConfig
+from edgespec.models.training.loop import Budget, LoopState, train_loop, warmup_then_cosine
+from edgespec.models.training.losses import next_token_loss, sparse_kl
+from edgespec.models.training.model import new_model
+from edgespec.models.training.teacher import target_continuations, teacher_targets
 from edgespec.runtime.machine import usable_cores
 
 Progress = Callable[[str], None]

@@ -7,8 +7,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from edgespec.models.recipe.config import EOS_TOKEN
-from edgespec.models.recipe.corpus import _read_source
+from edgespec.models.training.config import EOS_TOKEN
+from edgespec.models.training.corpus import _read_source
 
 
 def train_tokenizer(files: Sequence[Path], vocab_size: int) -> PreTrainedTokenizerFast:

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from edgespec.errors import EdgespecError
-from edgespec.models.recipe.config import RecipeConfig
-from edgespec.models.recipe.losses import TopKRows
+from edgespec.models.training.config import RecipeConfig
+from edgespec.models.training.losses import TopKRows
 
 Batch = TypeVar("Batch")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from edgespec.models.recipe.config import ModelShape, RecipeConfig
+from edgespec.models.training.config import ModelShape, RecipeConfig
 
 
 def new_model(

@@ -1,6 +1,6 @@
 """The draft for SmolLM2-135M-Instruct: its first layers, distilled on its own chat answers.
 
-    python -m edgespec.models.recipe.smollm2_draft --target FILE.gguf --out DIR
+    python -m edgespec.models.training.smollm2_draft --target FILE.gguf --out DIR
 
 writes ``DIR/layers.safetensors`` and ``DIR/token_ids.npy`` (what edgespec/models/smollm2_draft/
 commits), the teacher data ``DIR/teacher.pt`` (kept: a second run skips straight to training)
@@ -36,14 +36,14 @@ from safetensors.torch import save as safetensors_bytes
 from transformers import LlamaForCausalLM
 
 from edgespec.export.destination import write_file
-from edgespec.export.pair import read_checkpoint
+from edgespec.export.source import read_checkpoint
 from edgespec.export.vocab import TOKEN_IDS_NAME  # a package's name for the ids a draft scores
-from edgespec.models.recipe.evaluate import held_out
-from edgespec.models.recipe.loop import (Budget, LoopState, shuffled_batches, train_loop,
-                                         warmup_cosine)
-from edgespec.models.recipe.losses import TopKRows, subset_index
-from edgespec.models.recipe.teacher import (end_tokens, load_target, reply_vocabulary,
-                                            teacher_stage)
+from edgespec.models.training.evaluate import held_out
+from edgespec.models.training.loop import (Budget, LoopState, shuffled_batches, train_loop,
+                                           warmup_cosine)
+from edgespec.models.training.losses import TopKRows, subset_index
+from edgespec.models.training.teacher import (end_tokens, load_target, reply_vocabulary,
+                                              teacher_stage)
 
 LAYERS_NAME = "layers.safetensors"
 

@@ -151,7 +151,7 @@ class DistillConfig:
         from edgespec.errors import EdgespecError
         from edgespec.export.aux_layers import check_aux_layers
         from edgespec.export.gguf_header import check_gguf
-        from edgespec.models.recipe import chat_prompts
+        from edgespec.models.training import chat_prompts
 
         most = chat_prompts.first_round_sizes()
         if self.data == "chat" and any(n > m for n, m in zip(self.prompts, most)):

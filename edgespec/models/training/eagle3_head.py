@@ -43,12 +43,12 @@ from edgespec.errors import EdgespecError, one_line
 from edgespec.export.destination import write_file
 from edgespec.export.aux_layers import check_aux_layers, default_aux_layers
 from edgespec.export.eagle3 import ARCHITECTURES, D2T, T2D, Eagle3Head, HeadConfig, _rotate
-from edgespec.models.recipe.config import DistillConfig
-from edgespec.models.recipe.saved import is_list_of, is_tensor, load_saved
-from edgespec.models.recipe.evaluate import HeldOut, held_out
-from edgespec.models.recipe.loop import (Budget, LoopState, shuffled_batches, train_loop,
-                                         warmup_cosine)
-from edgespec.models.recipe.losses import TopKRows, subset_index
+from edgespec.models.training.config import DistillConfig
+from edgespec.models.training.saved import is_list_of, is_tensor, load_saved
+from edgespec.models.training.evaluate import HeldOut, held_out
+from edgespec.models.training.loop import (Budget, LoopState, shuffled_batches, train_loop,
+                                           warmup_cosine)
+from edgespec.models.training.losses import TopKRows, subset_index
 
 Progress = Callable[[str], None]
 STEP_WEIGHT = 0.8  # EAGLE-3's weight of step s's loss: 0.8 ** s

@@ -22,16 +22,16 @@ import torch
 
 from edgespec.errors import EdgespecError
 from edgespec.export.destination import write_file
-from edgespec.models.recipe.chat_prompts import first_round
-from edgespec.models.recipe.config import DISTILL_WORK as WORK, DistillConfig
-from edgespec.models.recipe.eagle3_head import (Example, TrainableHead, TrainSettings,
-                                                feature_stage, head_config, train_head,
-                                                write_head)
-from edgespec.models.recipe.saved import load_saved
-from edgespec.models.recipe.teacher import (EndTokens, check_chat_template, end_tokens,
-                                            load_target, needs_gguf_loader,
-                                            reply_vocabulary, target_continuations,
-                                            teacher_stage)
+from edgespec.models.training.chat_prompts import first_round
+from edgespec.models.training.config import DISTILL_WORK as WORK, DistillConfig
+from edgespec.models.training.eagle3_head import (Example, TrainableHead, TrainSettings,
+                                                  feature_stage, head_config, train_head,
+                                                  write_head)
+from edgespec.models.training.saved import load_saved
+from edgespec.models.training.teacher import (EndTokens, check_chat_template, end_tokens,
+                                              load_target, needs_gguf_loader,
+                                              reply_vocabulary, target_continuations,
+                                              teacher_stage)
 
 
 def log(line: str) -> None:
@@ -51,8 +51,8 @@ def code_examples(target, tokenizer, work: Path, config: DistillConfig, report
                   ) -> list[Example]:
     """The target's continuations of windows of the demo's corpus (this Python's stdlib,
     train split), saved to ``work/teacher.pt``."""
-    from edgespec.models.recipe.build import prepare_corpus
-    from edgespec.models.recipe.config import RecipeConfig
+    from edgespec.models.training.build import prepare_corpus
+    from edgespec.models.training.config import RecipeConfig
 
     cached = work / "teacher.pt"
     if cached.is_file():
@@ -97,7 +97,7 @@ def _check_token_ids(examples: list[Example], vocab: int, saved: Path) -> None:
 def distill(target_path: Path, out: Path, config: DistillConfig = DistillConfig(),
             report=log) -> dict:
     """Every stage (module docstring); returns the training report."""
-    from edgespec.export.pair import read_checkpoint
+    from edgespec.export.source import read_checkpoint
 
     out = Path(out)
     work = out / WORK

@@ -16,12 +16,13 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 from edgespec.export import export_pair
 from edgespec.export.destination import atomic_folder
 from edgespec.manifest import PROMPTS_NAME, REPORT_NAME
-from edgespec.models.recipe.config import RecipeConfig
-from edgespec.models.recipe.corpus import find_corpus, heldout_prompts, split_corpus, stdlib_dir
-from edgespec.models.recipe.evaluate import evaluate
-from edgespec.models.recipe.model import save_checkpoint
-from edgespec.models.recipe.tokenizer import encode_files, train_tokenizer
-from edgespec.models.recipe.train import PhaseStats, Progress, _ignore, distill_draft, train_target
+from edgespec.models.training.config import RecipeConfig
+from edgespec.models.training.corpus import find_corpus, heldout_prompts, split_corpus, stdlib_dir
+from edgespec.models.training.evaluate import evaluate
+from edgespec.models.training.model import save_checkpoint
+from edgespec.models.training.tokenizer import encode_files, train_tokenizer
+from edgespec.models.training.train import (PhaseStats, Progress, _ignore, distill_draft,
+                                            train_target)
 from edgespec.runtime.machine import usable_cores
 
 PROMPT_COUNT = 24
