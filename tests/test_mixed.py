@@ -58,6 +58,13 @@ def test_a_short_sure_match_is_extended_by_the_model():
     assert best_plan(COSTS, [0.99] * 2, alpha=0.95, k=4) == (2, 4)
 
 
+def test_a_draft_model_that_must_catch_up_first_is_weighed_with_that_run():
+    """After text rounds the model's first run feeds every token its cache lacks: a close
+    call goes to the text then."""
+    assert best_plan(COSTS, [0.4] * 4, alpha=0.7, k=3, lag=0) == (0, 3)
+    assert best_plan(COSTS, [0.4] * 4, alpha=0.7, k=3, lag=32) == (3, 0)
+
+
 def test_a_plan_never_proposes_more_than_a_round_can_verify():
     text, model = best_plan(COSTS, [0.999] * 40, alpha=0.99, k=8)
     assert text + model <= TEXT_MAX_K

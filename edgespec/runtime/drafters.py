@@ -531,7 +531,8 @@ class MixedDrafter(Drafter):
             text = next((i for i, a in enumerate(chain[:k]) if a < alpha), min(k, len(chain)))
             plan = (text, k - text)
         else:
-            plan = best_plan(self.costs, chain, alpha, k)
+            lag = max(len(committed) - 1 - self.model.cache.length, 0)  # not run by the model
+            plan = best_plan(self.costs, chain, alpha, k, lag)
         segments = [(drafter, n) for drafter, n in zip((self.text, self.model), plan) if n]
         self.last = segments[-1][0] if segments else self.model
         return segments or [(self.model, 0)]
@@ -578,7 +579,7 @@ class MixedDrafter(Drafter):
         self.text.rollback(length)
 
 
-def best_plan(costs: StepCosts, chain: Sequence[float], alpha: float, k: int
+def best_plan(costs: StepCosts, chain: Sequence[float], alpha: float, k: int, lag: int = 0
               ) -> tuple[int, int]:
     """(text positions, model positions) of the round of most expected tokens per ms: a plain
     target step (0, 0), the model's k alone (0, k), the text's first L positions (``chain``:
@@ -587,14 +588,21 @@ def best_plan(costs: StepCosts, chain: Sequence[float], alpha: float, k: int
 
     A round's expected yield is 1 + sum over i of P(its first i proposals accepted)
     (schedule.expected_tokens_along); a text position costs nothing but its place in the
-    target's run (``costs.verify_ms``), a model position a draft step too.
+    target's run (``costs.verify_ms``), a model position a draft step too, and the model's
+    first step of a round feeds what its cache lacks: the ``lag`` committed tokens it has not
+    run (after text rounds) and the text's L, a run that costs a draft step scaled as the
+    target's runs scale with their length (the draft's own are not measured).
     """
     verify = costs.verify_table  # [n]: a target run on n tokens
     draft = costs.draft_step_ms * np.arange(k + 1)  # [j]: j draft steps
+
+    def catch_up(fed: int) -> float:  # a draft run on 1 + fed tokens, past one step
+        return costs.draft_step_ms * (verify[min(fed + 1, len(verify) - 1)] / verify[1] - 1)
+
     tails = np.cumsum(alpha ** np.arange(k + 1)) - 1  # [j]: the model's j, once reached
     plans = [((0, 0), 1.0 / verify[1])]
     if k:
-        plans.append(((0, k), (1 + tails[k]) / (verify[k + 1] + draft[k])))
+        plans.append(((0, k), (1 + tails[k]) / (verify[k + 1] + draft[k] + catch_up(lag))))
     chain = np.asarray(chain[:TEXT_MAX_K], dtype=np.float64)
     if len(chain):
         reached = np.cumprod(chain)  # [L-1]: P(the text's first L accepted)
@@ -608,7 +616,7 @@ def best_plan(costs: StepCosts, chain: Sequence[float], alpha: float, k: int
             model = np.arange(1, min(k, TEXT_MAX_K - text) + 1)
             if len(model):
                 rates = ((tokens[text - 1] + reached[text - 1] * tails[model])
-                         / (verify[text + model + 1] + draft[model]))
+                         / (verify[text + model + 1] + draft[model] + catch_up(lag + text)))
                 j = int(np.argmax(rates))
                 plans.append(((int(text), int(model[j])), rates[j]))
     return max(plans, key=lambda plan: plan[1])[0]
