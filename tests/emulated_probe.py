@@ -46,7 +46,8 @@ def main() -> None:
         bounded_text.CHILD = (*json.loads(os.environ[CHILD_PREFIX]), *bounded_text.CHILD)
     if args.probe_runs:
         session.PROBE_RUNS = tuple(int(n) for n in args.probe_runs.split(","))
-    from edgespec.runtime import load, machine, run_checks
+    from edgespec import load
+    from edgespec.runtime import machine, run_checks
 
     pipe = load(args.pair, calibration_cache=False)
     out = {"instruction_sets": list(machine.instruction_sets()),
@@ -98,7 +99,7 @@ def sampled(package: str) -> dict:
     from helpers import exact_two_token_distribution, two_token_samples
 
     from edgespec.config import SamplingConfig
-    from edgespec.runtime import load
+    from edgespec import load
 
     pipe = load(package, calibration_cache=False)
     sampling = SamplingConfig(temperature=1.0)

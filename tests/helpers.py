@@ -115,20 +115,20 @@ def recorded_target_rows(pipe) -> Iterator[dict[tuple, list[np.ndarray]]]:
     pipe.prefix_cache.clear()
     rows: dict[tuple, list[np.ndarray]] = {}
     text: list[int] = []  # the tokens the cache holds, as fed
-    forward = pipe.target.forward
+    forward_rows = pipe.target.forward_rows  # what every run of the session goes through
 
-    def recording(tokens, cache, keep=0):
+    def recording(tokens, cache, features=None, keep=0):
         start = cache.length
         del text[start:]
         text.extend(int(t) for t in tokens)
-        logits = forward(tokens, cache, keep=keep)
+        logits, feature_rows = forward_rows(tokens, cache, features, keep=keep)
         first = start + len(tokens) - len(logits)  # a run keeping its last rows only
         for i, row in enumerate(logits):
             rows.setdefault(tuple(text[: first + i + 1]), []).append(row.copy())
-        return logits
+        return logits, feature_rows
 
-    pipe.target.forward = recording
+    pipe.target.forward_rows = recording
     try:
         yield rows
     finally:
-        del pipe.target.forward
+        del pipe.target.forward_rows

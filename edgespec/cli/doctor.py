@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from edgespec.cli.base import main, resolve_package, runtime, user_errors
+from edgespec.cli.base import loader, main, resolve_package, user_errors
 
 
 @main.command()
@@ -31,7 +31,7 @@ def doctor(packages: tuple[Path, ...], provider: str) -> None:
     given = {str(p): resolve_package(p) for p in packages}
     for path in given.values():  # a wrong path fails first, in one line of its own
         Manifest.read(path)
-    rt = runtime()
+    load = loader()  # the runtime imported while signals wait
     from edgespec.runtime import machine, providers
 
     click.echo(f"edgespec {__version__}, Python {platform.python_version()}, "
@@ -49,7 +49,7 @@ def doctor(packages: tuple[Path, ...], provider: str) -> None:
     found |= given
     for name, path in found.items():
         start = time.perf_counter()
-        pipe = rt.load(path, provider=provider)
+        pipe = load(path, provider=provider)
         loaded = time.perf_counter() - start
         threads = ", ".join(f"{role} {config.threads or 'all'}"
                             for role, config in pipe.session_configs.items())
