@@ -15,6 +15,7 @@ from edgespec.config import TEXT_MAX_K, GenerationConfig, SamplingConfig
 from edgespec.runtime import drafters
 from edgespec.runtime.drafters import MixedDrafter, NgramDrafter, Proposal, best_plan
 from edgespec.runtime.schedule import StepCosts
+from edgespec.runtime.speculative import Round
 from edgespec.runtime.stats import GenerationStats
 
 # Edits: the answer copies the prompt's code, so the text's continuation runs long.
@@ -93,10 +94,10 @@ def test_the_text_acceptance_is_learnt_from_every_committed_token():
     copy = [1, 2, 3, 4, 5] * 4
     drafter.prefill(copy[:6])
     before = drafter.text_acceptance[True][3].alpha
-    drafter.observe(copy[:6], copy[6:], ("model",) * 3, accepted=3)  # proposed by the model
+    drafter.observe(copy[:6], Round(copy[6:], 3, 3, ("model",) * 3))  # proposed by the model
     learnt = drafter.text_acceptance[True][3].alpha
     assert learnt > 0.9 > before
-    drafter.observe(copy, [0, 0, 0], ("model",), accepted=1)
+    drafter.observe(copy, Round([0, 0, 0], 1, 1, ("model",)))
     assert drafter.text_acceptance[True][3].alpha < learnt
 
 
@@ -104,7 +105,7 @@ def test_without_costs_the_text_proposes_where_it_guesses_at_least_as_well_as_th
     drafter = _mixed()
     copy = [1, 2, 3, 4, 5] * 4
     drafter.prefill(copy[:12])
-    drafter.observe(copy[:6], copy[6:12], ("model",) * 6, accepted=6)
+    drafter.observe(copy[:6], Round(copy[6:12], 6, 6, ("model",) * 6))
     proposal = drafter.propose(copy[:12], 4, SamplingConfig(), None)
     assert proposal.tokens == copy[12:16] and proposal.sources == ("ngram",) * 4
     # a text that never repeats: the model's
@@ -125,7 +126,7 @@ def test_a_hundred_thousand_token_prompt_of_one_token_keeps_the_round_bounded():
     entries = sum(len(ends) for ends in index.ends.values())
     assert entries <= len(prompt) * (index.max_n - index.min_n + 1)
     assert len(index.ends) == index.max_n - index.min_n + 1  # one key per length: (7,), (7, 7), ...
-    drafter.observe(prompt[:-64], prompt[-64:], (), accepted=0)  # the text predicts itself
+    drafter.observe(prompt[:-64], Round(prompt[-64:], 0, 0))  # the text predicts itself
     lookups = 0
     match = index.match
 

@@ -127,10 +127,9 @@ class Drafter:
         """The most proposals of its own a round asked for k may get (forced ones aside)."""
         return k
 
-    def observe(self, committed: list[int], tokens: Sequence[int], sources: Sequence[str],
-                accepted: int) -> None:
-        """Learn from a verified round that followed ``committed``: it committed ``tokens``
-        (the target's), of proposals from ``sources``, ``accepted`` of them accepted."""
+    def observe(self, committed: list[int], done) -> None:
+        """Learn from a verified round that followed ``committed`` (speculative.Round: the
+        tokens it committed, the sources of its proposals, how many were accepted)."""
 
     def _timed(self, start: float, middle: float | None = None) -> None:
         """Count one run of its own that began at ``start``, and its row processing from
@@ -555,18 +554,17 @@ class MixedDrafter(Drafter):
                  penalties: Penalties | None = None) -> Dist | None:
         return self.last.next_row(committed, drafted, sampling, penalties)
 
-    def observe(self, committed: list[int], tokens: Sequence[int], sources: Sequence[str],
-                accepted: int) -> None:
+    def observe(self, committed: list[int], done) -> None:
         # the model's acceptance: its proposals looked at, up to and with the first rejection
-        looked = sources[: accepted + 1]
+        looked = done.sources[: done.accepted + 1]
         mine = sum(s == self.model.name for s in looked)
         if mine:
-            took = sum(s == self.model.name for s in sources[:accepted])
+            took = sum(s == self.model.name for s in done.sources[: done.accepted])
             self.model_acceptance.update(took, mine)
         # the text's: whether the lookup predicted each committed token, proposed or not
         index = self.text.index
         index.sync(committed)
-        for token in tokens:
+        for token in done.tokens:
             found = index.match()
             hit = found is not None and found[0] == token
             if found is not None:
@@ -586,9 +584,9 @@ def best_plan(costs: StepCosts, chain: Sequence[float], alpha: float, k: int, la
     the text's acceptance at each) alone (L, 0), or followed by j <= k of the model's where
     the model guesses the next position better than the text (or the text has run out).
 
-    A round's expected yield is 1 + sum over i of P(its first i proposals accepted)
-    (schedule.expected_tokens_along); a text position costs nothing but its place in the
-    target's run (``costs.verify_ms``), a model position a draft step too, and the model's
+    A round's expected yield is 1 + sum over i of P(its first i proposals accepted) (with one
+    alpha for all: schedule.expected_tokens); a text position costs nothing but its place in
+    the target's run (``costs.verify_ms``), a model position a draft step too, and the model's
     first step of a round feeds what its cache lacks: the ``lag`` committed tokens it has not
     run (after text rounds) and the text's L, a run that costs a draft step scaled as the
     target's runs scale with their length (the draft's own are not measured).

@@ -92,17 +92,6 @@ def expected_tokens(alpha: float, k: int) -> float:
     return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def expected_tokens_along(alphas: Sequence[float]) -> float:
-    """Tokens a round yields on average when its i-th proposal is accepted with probability
-    alphas[i] once the ones before it were: 1 + sum over i of alphas[0] * ... * alphas[i]
-    (``expected_tokens`` when every alpha is the same)."""
-    reached, tokens = 1.0, 1.0
-    for alpha in alphas:
-        reached *= alpha
-        tokens += reached
-    return tokens
-
-
 def expected_speedup(alpha: float, k: int, draft_ms: float, verify_ms: float,
                      step_ms: float, sampled: bool = False) -> float:
     """Leviathan et al.'s expected speedup with measured costs.

@@ -304,7 +304,7 @@ def _scheduled_round(target: TargetRunner, drafter: Drafter, committed: list[int
     stats.record_round(done, drafter.paced, drafter.drafts)
     if drafter.drafts:
         schedule.update(*done.of(drafter.paced))
-        drafter.observe(committed, done.tokens, done.sources, done.accepted)
+        drafter.observe(committed, done)
     return done.tokens
 
 

@@ -84,7 +84,7 @@ class GenerationStats:
         counts (a k = 0 round, a target step, included while ``drafts``)."""
         k, n_accepted = done.drafted, done.accepted
         if drafts:
-            own = sum(source == paced for source in done.sources)
+            own, _ = done.of(paced)
             self.draft_lengths[own] = self.draft_lengths.get(own, 0) + 1
         if not k:
             return
