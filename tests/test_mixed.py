@@ -101,6 +101,43 @@ def test_the_text_acceptance_is_learnt_from_every_committed_token():
     assert drafter.text_acceptance[True][3].alpha < learnt
 
 
+def test_the_schedule_learns_only_the_model_proposals_verification_looked_at(monkeypatch):
+    """A text-then-model round rejected at a text position says nothing of the model: its
+    proposals were never looked at, so the schedule pacing the model is not shown a rejection
+    (the former count, every proposal of the source, would show it (2, 0))."""
+    from edgespec.runtime import speculative
+
+    text, model = ("ngram",) * 2, ("model",) * 2
+    rounds = iter([Round([7, 8], 4, 1, text + model),  # rejected at the text's second: unseen
+                   Round([7, 8, 9], 4, 2, text + model),  # rejected at the model's first
+                   Round([7] * 5, 4, 4, text + model),  # all accepted
+                   Round([7, 8, 9], 2, 2, text)])  # the text alone: a round without the model
+    monkeypatch.setattr(speculative, "speculative_round", lambda *a, **k: next(rounds))
+
+    class Recording:
+        updates: list = []
+
+        def next_k(self):
+            return 2
+
+        def update(self, k, n_accepted):
+            self.updates.append((k, n_accepted))
+
+    class Drafter:
+        drafts, paced = True, "model"
+
+        def observe(self, committed, done):
+            pass
+
+    schedule, stats = Recording(), GenerationStats(speculative=True)
+    for _ in range(4):
+        speculative._scheduled_round(None, Drafter(), [1, 2, 3], 100, GenerationConfig(),
+                                     schedule, None, stats, None)
+    assert schedule.updates == [(1, 0), (2, 2), (0, 0)]
+    assert Round([7, 8], 4, 1, text + model).of("model") == (2, 0, 0)
+    assert Round([7, 8, 9], 4, 2, text + model).of("ngram") == (2, 2, 2)
+
+
 def test_without_costs_the_text_proposes_where_it_guesses_at_least_as_well_as_the_model():
     drafter = _mixed()
     copy = [1, 2, 3, 4, 5] * 4

@@ -77,12 +77,14 @@ class Round:
     accepted: int
     sources: tuple[str, ...] = ()  # per draft, who proposed it (drafters.Proposal.sources)
 
-    def of(self, source: str) -> tuple[int, int]:
-        """The proposals of ``source``, and how many of them the accepted prefix holds: what
-        the schedule learns of the source it paces (forced proposals and a text match's cost
-        it no draft steps, so they are not its to count)."""
+    def of(self, source: str) -> tuple[int, int, int]:
+        """Of ``source``'s proposals: how many it made, how many verification looked at (the
+        accepted prefix and the first rejection; a rejection before a proposal leaves it
+        unseen) and how many were accepted. What the schedule learns of the source it paces
+        (forced proposals and a text match cost it no draft steps: not its to count)."""
         mine = [s == source for s in self.sources]
-        return sum(mine), sum(mine[: self.accepted])
+        seen = self.accepted + (self.accepted < self.drafted)
+        return sum(mine), sum(mine[:seen]), sum(mine[: self.accepted])
 
 
 def speculative_round(
@@ -303,7 +305,9 @@ def _scheduled_round(target: TargetRunner, drafter: Drafter, committed: list[int
                              penalties, limit=max(room - 1, k))
     stats.record_round(done, drafter.paced, drafter.drafts)
     if drafter.drafts:
-        schedule.update(*done.of(drafter.paced))
+        proposed, seen, accepted = done.of(drafter.paced)
+        if seen or not proposed:  # proposals left unseen by an earlier rejection teach nothing
+            schedule.update(seen, accepted)
         drafter.observe(committed, done)
     return done.tokens
 

@@ -48,7 +48,8 @@ class GenerationStats:
     finish_reason: str = ""
     threads: dict[str, int] = field(default_factory=dict)  # intra-op threads per model
     calibration_s: float = 0.0  # finding the adaptive schedule's step costs, before decoding
-    # where those costs came from: "measured" now, "stored" in the calibration cache by an
+    # where those costs came from: "measured" now ("measured busy": while other processes
+    # used the CPU, so not stored), "stored" in the calibration cache by an
     # earlier process, "reused" from an earlier request of this process; "" without adaptive
     calibration: str = ""
 
@@ -84,7 +85,7 @@ class GenerationStats:
         counts (a k = 0 round, a target step, included while ``drafts``)."""
         k, n_accepted = done.drafted, done.accepted
         if drafts:
-            own, _ = done.of(paced)
+            own, _, _ = done.of(paced)
             self.draft_lengths[own] = self.draft_lengths.get(own, 0) + 1
         if not k:
             return
@@ -173,8 +174,10 @@ class GenerationStats:
             line += f", {self.tokens_per_target_call:.2f} tokens/target call"
         if self.prompt_tokens_reused:
             line += f", {self.prompt_tokens_reused} of {self.prompt_tokens} prompt tokens reused"
-        if self.calibration == "measured":
+        if self.calibration.startswith("measured"):
             line += f", {self.calibration_s:.1f}s measuring step costs first"
+            if self.calibration == "measured busy":
+                line += " (the machine was busy: not stored)"
         elif self.calibration == "stored":
             line += ", step costs from the calibration cache"
         return f"{line} ({self.finish_reason})"
