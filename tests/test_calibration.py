@@ -134,3 +134,60 @@ def test_without_the_cache_costs_are_measured_and_nothing_is_written(monkeypatch
     stats = pipe.generate("x = 1", max_new_tokens=4, schedule="adaptive", draft_length=2).stats
     assert stats.calibration == "measured"
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the kernel's CPU counters: Linux")
+def test_another_process_using_the_cpu_makes_the_machine_busy_and_this_one_does_not(
+        monkeypatch):
+    import subprocess
+    import sys
+    import time
+
+    from edgespec.runtime import machine
+
+    monkeypatch.setattr(machine, "BUSY_SHARE", 0.25)  # conftest makes every machine quiet
+    with machine.OtherLoad() as resting:  # what the neighbours use anyway (none, in CI)
+        time.sleep(0.4)
+    with machine.OtherLoad() as own:  # this process spinning: not a neighbour
+        end = time.perf_counter() + 0.4
+        while time.perf_counter() < end:
+            pass
+    assert own.share is not None and own.share < resting.share + 0.15
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.2)  # started
+        with machine.OtherLoad() as shared:
+            time.sleep(0.5)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+    assert shared.busy and shared.share > 0.5
+
+
+def test_costs_measured_on_a_busy_machine_are_used_not_stored(monkeypatch, tmp_path):
+    from edgespec.runtime import pipeline
+
+    monkeypatch.setenv("EDGESPEC_CACHE_DIR", str(tmp_path))
+
+    class Busy:
+        busy, share = True, 0.6
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(pipeline, "OtherLoad", Busy)
+    settings = dict(max_new_tokens=8, schedule="adaptive", draft_length=4, seed=0)
+    first = edgespec.load(demo_package()).generate("def add(a, b):", **settings).stats
+    assert first.calibration == "measured busy" and "busy: not stored" in first.summary()
+    # the numerics' checks (not timings) are kept; no costs are
+    assert not [e for e in calibration._read(tmp_path).values() if "target_ms" in e]
+    monkeypatch.undo()
+    monkeypatch.setenv("EDGESPEC_CACHE_DIR", str(tmp_path))
+    second = edgespec.load(demo_package()).generate("def add(a, b):", **settings).stats
+    assert second.calibration == "measured"  # measured again, quiet this time: stored
+    third = edgespec.load(demo_package()).generate("def add(a, b):", **settings).stats
+    assert third.calibration == "stored"

@@ -135,6 +135,14 @@ def test_a_target_only_package_has_no_draft_in_its_manifest(target_only):
     assert result.stats.drafter == "none" and result.stats.drafted == 0
 
 
+def test_a_target_only_package_times_no_long_runs_only_the_mixed_drafter_reads(
+        target_only, packages):
+    """Runs of 17 and 33 tokens are what a text match is verified in by the mixed drafter: a
+    package without a draft model does not spend its load timing them; one with does."""
+    assert edgespec.load(target_only).step_costs(4).long_ms == ()
+    assert [n for n, _ in edgespec.load(packages["llama"]).step_costs(4).long_ms] == [17, 33]
+
+
 def test_asking_a_target_only_package_for_the_draft_model_is_one_line(target_only):
     pipe = edgespec.load(target_only)
     with pytest.raises(ConfigError, match="drafter 'model' needs a draft model"):

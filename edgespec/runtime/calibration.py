@@ -22,6 +22,7 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from edgespec.cache import cache_folder
@@ -73,9 +74,11 @@ def load_entry(key: str, folder: Path | None = None) -> dict | None:
     return _read(folder).get(key) if folder else None
 
 
-def load_costs(key: str, kmax: int, folder: Path | None = None) -> StepCosts | None:
-    """The costs stored under ``key``: a draft step and target runs on 1..kmax+1 tokens, each
-    a positive number of ms; None if there are none, or the entry is not that."""
+def load_costs(key: str, kmax: int, folder: Path | None = None,
+               long_runs: Sequence[int] = LONG_RUNS) -> StepCosts | None:
+    """The costs stored under ``key``: a draft step, target runs on 1..kmax+1 tokens and on
+    the ``long_runs`` past kmax + 1, each a positive number of ms; None if there are none, or
+    the entry is not that."""
     entry = load_entry(key, folder)
     try:
         draft_ms = float(entry["draft_step_ms"])
@@ -85,7 +88,7 @@ def load_costs(key: str, kmax: int, folder: Path | None = None) -> StepCosts | N
         return None
     times = (draft_ms, *target_ms, *(t for _, t in long_ms))
     if (len(target_ms) != kmax + 1 or [n for n, _ in long_ms] != [
-            n for n in LONG_RUNS if n > kmax + 1]
+            n for n in long_runs if n > kmax + 1]
             or not all(0 <= t < math.inf for t in times) or not any(times)):
         return None
     return StepCosts(draft_ms, target_ms, long_ms)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -130,6 +131,48 @@ def onnxruntime_build() -> str:
 
 def load_average() -> tuple[float, float, float] | None:
     return os.getloadavg() if hasattr(os, "getloadavg") else None
+
+
+# Other processes using more than this share of every core's time while costs are measured
+# make them a busy machine's: a timing then says more about the neighbours than the graphs.
+BUSY_SHARE = 0.25
+
+
+def _machine_cpu_s() -> float | None:
+    """CPU seconds every process has used since boot, all cores together (Linux: /proc/stat's
+    first line, all but idle and iowait; steal counted, as a neighbour's use); None elsewhere."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        ticks = [int(v) for v in fields[1:9]]
+    except (OSError, ValueError):
+        return None
+    if fields[0] != "cpu" or len(ticks) < 8:
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """How much of the machine other processes used while a ``with`` block ran: ``share``,
+    their CPU time over the block's wall time on every core (0..1; None where the system does
+    not say: not Linux, or a block too short to tell), and ``busy``, whether it passed
+    BUSY_SHARE."""
+
+    def __enter__(self) -> OtherLoad:
+        self.share = None
+        self._start = (_machine_cpu_s(), time.process_time(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        machine, own, wall = (_machine_cpu_s(), time.process_time(), time.perf_counter())
+        machine0, own0, wall0 = self._start
+        if machine is None or machine0 is None or wall - wall0 < 0.1:
+            return
+        others = max(0.0, (machine - machine0) - (own - own0))
+        self.share = min(1.0, others / ((wall - wall0) * (os.cpu_count() or 1)))
+
+    @property
+    def busy(self) -> bool:
+        return self.share is not None and self.share > BUSY_SHARE
 
 
 def machine_info() -> dict:

@@ -24,8 +24,10 @@ from edgespec.runtime.drafters import Drafter, make_drafter
 from edgespec.runtime.grammar import GrammarTokenizer
 from edgespec.runtime.healing import Healing, PrefixIndex, heal
 from edgespec.runtime.inputs import check_ids, check_text, load_tokenizer, text_bounds
+from edgespec.runtime.machine import OtherLoad
 from edgespec.runtime.numerics import Numerics
 from edgespec.runtime.schedule import (
+    LONG_RUNS,
     AdaptiveSchedule,
     FixedSchedule,
     HeuristicSchedule,
@@ -134,7 +136,8 @@ class Pipeline:
             warnings.warn(warning, stacklevel=2)
         self._costs: dict[int, StepCosts] = {}
         self.calibration_s: dict[int, float] = {}  # per kmax: seconds spent finding the costs
-        self.calibration: dict[int, str] = {}  # per kmax: "measured" or "stored" (read back)
+        # per kmax: "measured", "measured busy" (not stored) or "stored" (read back)
+        self.calibration: dict[int, str] = {}
         self._prefix_index: PrefixIndex | None = None  # token healing's, built on first use
         self._chat_template = None  # the package's, compiled on first use (needs jinja2)
         self._grammar_tokenizer: GrammarTokenizer | None = None  # constraints', on first use
@@ -341,6 +344,9 @@ class Pipeline:
     def step_costs(self, kmax: int) -> StepCosts:
         """Draft and target run times for k = 0..kmax: read from the calibration cache
         (calibration.py), else measured and stored there; kept for this process either way.
+        Costs measured while other processes used more than machine.BUSY_SHARE of the CPU
+        are not stored (``calibration`` "measured busy"): a later process measures again
+        rather than pace every generation by a busy moment's timings.
 
         Measured at a context of a quarter of the window (at most 128 tokens), where typical
         prompts sit; ``calibration_s`` records what finding each cost, ``calibration`` how. A
@@ -351,11 +357,19 @@ class Pipeline:
             start = time.perf_counter()
             key = calibration.cache_key(self._package_stamp, self.describe_sessions(), kmax,
                                         context)
-            costs = calibration.load_costs(key, kmax) if self.calibration_cache else None
+            # the long runs a text match is verified in: read by the mixed drafter alone
+            mixed = self.draft is not None and not self.draft.reads_features
+            long_runs = LONG_RUNS if mixed else ()
+            costs = (calibration.load_costs(key, kmax, long_runs=long_runs)
+                     if self.calibration_cache else None)
             self.calibration[kmax] = "stored" if costs else "measured"
             if costs is None:
-                costs = calibrate(self.target, self.draft, context, kmax)
-                if self.calibration_cache:
+                with OtherLoad() as load:
+                    costs = calibrate(self.target, self.draft, context, kmax,
+                                      long_runs=long_runs)
+                if load.busy:  # used by this process, not kept: the next one measures again
+                    self.calibration[kmax] = "measured busy"
+                elif self.calibration_cache:
                     calibration.store_costs(key, costs)
             self._costs[kmax] = costs
             self.calibration_s[kmax] = time.perf_counter() - start

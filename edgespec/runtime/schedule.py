@@ -228,15 +228,17 @@ def calibrate(
     kmax: int,
     budget_s: float = 1.0,
     repeats: tuple[int, int] = (3, 20),
+    long_runs: Sequence[int] = LONG_RUNS,
 ) -> StepCosts:
     """Median time of a draft step and of target runs on 1..kmax+1 tokens after ``context``,
-    and on the LONG_RUNS lengths past kmax + 1.
+    and on the ``long_runs`` lengths past kmax + 1 (LONG_RUNS: what a text match is verified
+    in; only a drafter that proposes past kmax reads them).
 
     Bounded: each session is prefilled once, and each run length is timed ``repeats[0]`` times,
     then again while its share of ``budget_s`` lasts, at most ``repeats[1]`` times: about
     ``budget_s`` plus the ``repeats[0]`` runs of each length, however large the target.
     """
-    longer = [n for n in LONG_RUNS if n > kmax + 1]
+    longer = [n for n in long_runs if n > kmax + 1]
     longest = max([kmax + 1, *longer])
     ids = np.random.default_rng(0).integers(0, target.vocab_size, size=context + longest)
     share = budget_s / (kmax + 2 + len(longer))
