@@ -20,8 +20,8 @@ Three measurements, each a subcommand that writes one JSON file:
                 decoding (llama-bench tg, the same number of tokens), llama-lookup and
                 llama-speculative (its draft-model decoding, with --draft-gguf: the package's
                 draft converted by llama.cpp's convert_hf_to_gguf.py), and edgespec target-only,
-                n-gram (adaptive) and the package's draft model (fixed k for each --ks, and
-                adaptive); tokens/s, acceptance, and whether greedy tokens equal target-only's;
+                n-gram (adaptive), the package's draft model (fixed k for each --ks, and
+                adaptive) and its default drafter (auto: both, chosen per round); tokens/s, acceptance, and whether greedy tokens equal target-only's;
                 the summary's "headline": per temperature, llama.cpp's best against edgespec's
                 best (median tokens/s over the prompts). With --genai-python, onnxruntime-genai
                 too, after the turns, on the same rendered prompts (benchmarks/peer_genai.py:
@@ -335,10 +335,11 @@ def cmd_lookup(args) -> dict:
         runs = {"llamacpp_lookup": [], **{k: [] for k in configs}}
         for _ in range(args.repeats):
             runs["llamacpp_lookup"].append(llama_lookup(bin_dir, args.gguf, text, args.n,
-                                                        args.threads, args.draft))
+                                                        args.threads, int(args.draft)))
             for name, settings in configs.items():
                 r = pipe.generate(ids, max_new_tokens=args.n, temperature=0.0,
-                                  draft_length=args.draft, token_healing=False, **settings)
+                                  draft_length=int(args.draft), token_healing=False,
+                                  **settings)
                 runs[name].append(run_record(r))
         row["runs"] = runs
         row["median_tokens_per_s"] = {k: statistics.median(x["tokens_per_s"] for x in v)
@@ -349,7 +350,7 @@ def cmd_lookup(args) -> dict:
         print(p.get("kind"), row["median_tokens_per_s"],
               "lookup accept", runs["llamacpp_lookup"][0]["accept_percent"],
               "ngram accept", runs["edgespec_ngram_fixed"][0]["acceptance"])
-    return {"new_tokens": args.n, "threads": args.threads, "draft_max": args.draft,
+    return {"new_tokens": args.n, "threads": args.threads, "draft_max": int(args.draft),
             "repeats": args.repeats, "rows": rows}
 
 
@@ -423,6 +424,7 @@ def cmd_speculative(args) -> dict:
                                                      draft_length=k) for k in ks})
         settings[f"{label}_model_adaptive"] = dict(drafter="model", schedule="adaptive",
                                                    draft_length=max(ks))
+        settings[f"{label}_auto"] = dict(drafter="auto")  # the default: both, chosen per round
         configs.update(settings)
         pipes.update({name: other for name in settings})
         greedy_reference.update({name: "edgespec_none" if path is None else f"{label}_none"
@@ -431,6 +433,7 @@ def cmd_speculative(args) -> dict:
     if args.kinds:
         prompts = [p for p in prompts if p.get("kind") in args.kinds.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
+    draft_max = [int(n) for n in str(args.draft).split(",")]  # llama.cpp's, each run
     rows, rendered = [], []
     for p in prompts[: args.limit]:
         ids = pipe.encode_chat(p["messages"])
@@ -439,20 +442,22 @@ def cmd_speculative(args) -> dict:
         for temperature in temperatures:
             row = {"kind": p.get("kind"), "temperature": temperature, "prompt_tokens": len(ids),
                    "load_average_start": load_average()}
-            runs = {"llamacpp_plain": [], "llamacpp_lookup": [],
-                    **({"llamacpp_speculative": []} if args.draft_gguf else {}),
+            runs = {"llamacpp_plain": [],
+                    **{f"llamacpp_lookup_n{n}": [] for n in draft_max},
+                    **{f"llamacpp_speculative_n{n}": [] for n in draft_max if args.draft_gguf},
                     **{k: [] for k in configs}}
             for repeat in range(args.repeats):
                 seed = args.seed + repeat
                 runs["llamacpp_plain"].append(llama_bench_tg(bin_dir, args.gguf, args.n,
                                                              args.threads))
-                lookup = lookup_command(bin_dir, args.gguf, text, args.n, args.threads,
-                                        args.draft, temperature, seed)
-                runs["llamacpp_lookup"].append(_llama_run(lookup, "llama-lookup"))
-                if args.draft_gguf:
-                    runs["llamacpp_speculative"].append(llama_speculative(
-                        bin_dir, args.gguf, args.draft_gguf, text, args.n, args.threads,
-                        args.draft, temperature, seed))
+                for n in draft_max:
+                    lookup = lookup_command(bin_dir, args.gguf, text, args.n, args.threads,
+                                            n, temperature, seed)
+                    runs[f"llamacpp_lookup_n{n}"].append(_llama_run(lookup, "llama-lookup"))
+                    if args.draft_gguf:
+                        runs[f"llamacpp_speculative_n{n}"].append(llama_speculative(
+                            bin_dir, args.gguf, args.draft_gguf, text, args.n, args.threads,
+                            n, temperature, seed))
                 for name, settings in configs.items():
                     r = pipes[name].generate(ids, max_new_tokens=args.n, temperature=temperature,
                                       top_k=0, top_p=1.0, seed=seed, token_healing=False,
@@ -468,10 +473,15 @@ def cmd_speculative(args) -> dict:
             rows.append(row)
             print(f"{p.get('kind')} T={temperature}: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in row["median_tokens_per_s"].items()), flush=True)
+    record = {"new_tokens": args.n, "threads": args.threads, "llamacpp_draft_max": draft_max,
+              "ks": ks, "temperatures": temperatures, "repeats": args.repeats, "rows": rows}
+    if args.genai_python:  # the turns are written first: a failing peer loses none of them
+        partial = Path(args.json).with_suffix(".turns.json")
+        partial.write_text(json.dumps({**record, "summary": summarize_speculative(rows)},
+                                      indent=1) + "\n")
+        print("wrote", partial, "(onnxruntime-genai next)", flush=True)
     genai = run_genai(args, rendered, ks, temperatures) if args.genai_python else None
-    return {"new_tokens": args.n, "threads": args.threads, "llamacpp_draft_max": args.draft,
-            "ks": ks, "temperatures": temperatures, "repeats": args.repeats,
-            "summary": summarize_speculative(rows, genai), "rows": rows,
+    return {**record, "summary": summarize_speculative(rows, genai),
             **({"genai": genai} if genai else {})}
 
 
@@ -595,7 +605,9 @@ def main() -> None:
         else:
             p.add_argument("--prompts", default="edgespec/bench_prompts.jsonl")
             p.add_argument("-n", type=int, default=128)
-            p.add_argument("--draft", type=int, default=4, help="llama.cpp's --spec-draft-n-max")
+            p.add_argument("--draft", default="4", help="llama.cpp's --spec-draft-n-max "
+                           "(speculative: a comma list, llama-lookup and llama-speculative "
+                           "run at each)")
             p.add_argument("--repeats", type=int, default=1)
             p.add_argument("--limit", type=int, default=12)
         if name == "speculative":
@@ -605,7 +617,7 @@ def main() -> None:
             p.add_argument("--temperatures", default="0,0.7")
             p.add_argument("--seed", type=int, default=1)
             p.add_argument("--kinds", help="only these prompt kinds (comma list: code, "
-                                           "question, summarize)")
+                                           "question, summarize; edit, new, turns)")
             p.add_argument("--also", action="append", default=[], metavar="LABEL=PKG",
                            help="another package of the same target whose draft is timed in "
                                 "the same turns (LABEL_model_k...; repeatable)")
