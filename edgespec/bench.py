@@ -21,10 +21,11 @@ from pathlib import Path
 from edgespec.config import (
     NO_DRAFTER,
     BenchConfig,
+    Constraint,
     GenerationConfig,
     SamplingConfig,
 )
-from edgespec.errors import EdgespecError
+from edgespec.errors import ConfigError, EdgespecError
 from edgespec.manifest import PROMPTS_NAME
 from edgespec.runtime.drafters import resolve_drafter
 from edgespec.runtime.machine import describe, machine_info
@@ -102,7 +103,8 @@ def run_bench(
     a rendered conversation: ``bench_prompts``); ``progress(n)`` after n runs.
 
     Every run generates exactly ``max_new_tokens`` (EOS is ignored), so sampled runs, which
-    differ in text, still decode the same number of tokens over the same context lengths.
+    differ in text, still decode the same number of tokens over the same context lengths; a
+    ConstrainedPrompt's runs end where its grammar's answer does (at most ``max_new_tokens``).
     Speedups are medians of paired ratios: each speculative run against the target-only run of
     the same prompt, temperature and repeat.
     """
@@ -111,7 +113,8 @@ def run_bench(
     progress = progress or (lambda n: None)
     machine = machine_info()  # the load average before this process adds to it
     check_drafters(pipe, config)
-    pipe.generate(prompts[0], max_new_tokens=8)  # warm both sessions up
+    first, constraint = _unwrapped(prompts[0])
+    pipe.generate(first, max_new_tokens=8, constraint=constraint)  # warm both sessions up
     report = BenchReport(config, prompts=len(prompts), machine=machine,
                          sessions=pipe.describe_sessions(),
                          package=str(pipe.path), command=command)
@@ -143,18 +146,22 @@ def _bench_temperature(pipe: Pipeline, prompts: list[str | list[int]], config: B
     generations."""
     sampling = SamplingConfig(temperature)
     for repeat in range(config.repeats):
-        for i, prompt in enumerate(prompts):
+        for i, item in enumerate(prompts):
+            prompt, constraint = _unwrapped(item)
             seed = config.seed + 1000 * repeat + i
             # cold runs, each prefilling its whole prompt: the speculative run would
             # otherwise start from the KV its baseline left (runtime/prefix_cache.py)
             pipe.prefix_cache.clear()
             # EOS ignored: every run makes max_new_tokens, whatever it samples
+            # (a constrained answer ends where its grammar does: EOS is not ignored there)
+            free = constraint is None
             base = GenerationConfig(config.max_new_tokens, sampling, drafter=NO_DRAFTER,
-                                    seed=seed, ignore_eos=True)
+                                    seed=seed, ignore_eos=free, constraint=constraint)
             baseline = pipe.generate(prompt, base).stats
             for drafter, schedule, draft_length in config.variants:
                 spec = GenerationConfig(config.max_new_tokens, sampling, draft_length, schedule,
-                                        seed=seed, ignore_eos=True, drafter=drafter)
+                                        seed=seed, ignore_eos=free, drafter=drafter,
+                                        constraint=constraint)
                 pipe.prefix_cache.clear()
                 runs[drafter, schedule, draft_length].append(
                     (baseline, pipe.generate(prompt, spec).stats))
@@ -213,14 +220,31 @@ def summarise(temperature: float, drafter: str, schedule: str, draft_length: int
 
 
 
+@dataclass(frozen=True)
+class ConstrainedPrompt:
+    """A prompt (text, token ids or chat messages) whose answers must match ``constraint``: a
+    JSON Lines prompt with a ``json_schema``. Both its target-only and speculative runs are
+    constrained, so its rows compare constrained decoding with and without drafting."""
+
+    prompt: str | list
+    constraint: Constraint
+
+
+def _unwrapped(prompt) -> tuple[object, Constraint | None]:
+    if isinstance(prompt, ConstrainedPrompt):
+        return prompt.prompt, prompt.constraint
+    return prompt, None
+
+
 # edgespec's own task prompts, for a chat package without a prompts file: JSON Lines of
 # {"kind": "summarize" | "code" | "question", "messages": [...]}, rendered through its template
 BUILT_IN_PROMPTS = Path(__file__).with_name("bench_prompts.jsonl")
 
 
-def read_prompts(path: str | Path) -> list[str | list[dict]]:
+def read_prompts(path: str | Path) -> list[str | list[dict] | ConstrainedPrompt]:
     """Prompts from a UTF-8 text file, one a line, or JSON Lines of strings, {"prompt": ...}
-    or {"messages": [...]} (a conversation, for the package's chat template)."""
+    or {"messages": [...]} (a conversation, for the package's chat template); an object with a
+    ``json_schema`` (a JSON schema object) is a ConstrainedPrompt, its answers held to it."""
     path = Path(path)
     if not path.is_file():
         raise EdgespecError(f"no prompts file at {path}; pass --prompts FILE (one prompt a line)")
@@ -241,6 +265,14 @@ def read_prompts(path: str | Path) -> list[str | list[dict]]:
     if not all(isinstance(prompt, (str, list)) for prompt in prompts):
         raise EdgespecError(f"{path}: not JSON Lines of prompts (a prompt that is not a string "
                             "or a list of messages)")
+    for n, item in enumerate(items):
+        if isinstance(item, dict) and "json_schema" in item:
+            try:
+                prompts[n] = ConstrainedPrompt(prompts[n], Constraint.json_schema(
+                    item["json_schema"]))
+            except ConfigError as e:
+                raise EdgespecError(f"{path}, line {n + 1}: its json_schema is not one ({e}); "
+                                    "give a JSON schema object") from None
     return prompts
 
 
@@ -259,12 +291,17 @@ def bench_prompts(pipe: Pipeline, path: Path | None = None) -> tuple[list[str | 
         path = BUILT_IN_PROMPTS
     path = path or own
     prompts = read_prompts(path)
-    if not has_template and any(isinstance(prompt, list) for prompt in prompts):
+    if not has_template and any(isinstance(_unwrapped(p)[0], list) for p in prompts):
         raise EdgespecError(f"{path} holds chat messages but {pipe.path} has no chat template "
                             "to render them with; give the prompts as text")
     where = ("edgespec's task prompts, through the chat template" if path == BUILT_IN_PROMPTS
              else str(path))
-    return [pipe.encode_chat(p) if isinstance(p, list) else p for p in prompts], where
+    def rendered(prompt):
+        text, constraint = _unwrapped(prompt)
+        text = pipe.encode_chat(text) if isinstance(text, list) else text
+        return text if constraint is None else ConstrainedPrompt(text, constraint)
+
+    return [rendered(p) for p in prompts], where
 
 
 def check_writable(path: Path, option: str) -> None:

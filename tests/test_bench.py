@@ -167,6 +167,38 @@ def test_read_prompts_refuses_prompts_that_are_not_strings(tmp_path):
         read_prompts(path)
 
 
+def test_a_prompt_with_a_json_schema_is_benched_under_it_with_and_without_drafting(
+        packages, tmp_path, monkeypatch):
+    from edgespec.bench import ConstrainedPrompt, bench_prompts
+    from edgespec.errors import EdgespecError
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "x = ", "json_schema": schema}) + "\n"
+                    + json.dumps("def add(a, b):") + "\n")
+    pipe = edgespec.load(packages["llama"])
+    prompts, _ = bench_prompts(pipe, path)
+    assert isinstance(prompts[0], ConstrainedPrompt) and prompts[1] == "def add(a, b):"
+    seen, generate = [], pipe.generate
+
+    def recording(prompt, config=None, **settings):
+        result = generate(prompt, config, **settings)
+        constraint = settings.get("constraint", getattr(config, "constraint", None))
+        seen.append((prompt, constraint is not None, result.text))
+        return result
+
+    monkeypatch.setattr(pipe, "generate", recording)
+    run_bench(pipe, prompts, BenchConfig(draft_lengths=(2,), temperatures=(0.0,),
+                                         max_new_tokens=8, repeats=1))
+    held = [(c, text) for prompt, c, text in seen if prompt == "x = "]
+    assert held and all(c for c, _ in held)  # warm-up, target-only and speculative: all held
+    assert all(c is False for prompt, c, _ in seen if prompt == "def add(a, b):")
+    assert held[-1][1] == held[-2][1]  # greedy: the drafted answer is the undrafted one
+    path.write_text(json.dumps({"prompt": "x", "json_schema": 5}) + "\n")
+    with pytest.raises(EdgespecError, match="line 1: its json_schema is not one"):
+        read_prompts(path)
+
+
 def test_bench_compares_drafters_and_refuses_one_the_package_lacks(packages, checkpoints, tmp_path):
     pipe = edgespec.load(packages["llama_noisy"])
     config = BenchConfig(draft_lengths=(2,), temperatures=(0.0,), max_new_tokens=12, repeats=1,

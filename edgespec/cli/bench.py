@@ -109,7 +109,10 @@ def bench(ctx: click.Context, package: Path | None, draft_lengths: str,
     click.echo(f"benchmarking {package}: {total} generations of {config.max_new_tokens} tokens "
                f"({len(prompts)} prompts x {config.repeats} repeats x "
                f"{len(config.temperatures)} temperatures x {per_prompt} "
-               f"settings, target-only included); prompts: {where}", err=True)
+               f"settings, target-only included); prompts: {where}"
+               + (f" ({held} of them held to a JSON schema, with and without drafting)"
+                  if (held := sum(isinstance(p, benchmark.ConstrainedPrompt) for p in prompts))
+                  else ""), err=True)
     try:
         report = benchmark.run_bench(pipe, prompts, config, progress=_ProgressLines(total),
                                      command=shlex.join(["edgespec", *sys.argv[1:]]))
