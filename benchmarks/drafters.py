@@ -55,7 +55,8 @@ def main() -> int:
     parser.add_argument("--drafters", default=",".join(DRAFTERS))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    pipe = edgespec.load(None if args.package == "demo" else args.package)
+    # as the `edgespec` command loads it (a real draft on the target's pool of workers)
+    pipe = edgespec.load(None if args.package == "demo" else args.package, shared_pool=True)
     drafters = args.drafters.split(",")
     if pipe.draft is None:
         drafters = [d for d in drafters if d != "model"]

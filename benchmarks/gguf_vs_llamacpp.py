@@ -95,14 +95,17 @@ def gguf_add_bos(gguf_path: str) -> tuple[bool, int]:
     return bool(add_bos), int(value("tokenizer.ggml.bos_token_id"))
 
 
-def load_pipeline(pkg: str, threads: int, spin: bool = True):
+def load_pipeline(pkg: str, threads: int, spin: bool = True, shared_pool: bool = False):
     """The package on the CPU as edgespec.load sets a target up (every core given, spinning
-    workers: runtime/providers.py), with the thread count given."""
+    workers: runtime/providers.py), with the thread count given; ``shared_pool``: as the
+    ``edgespec`` command sets a pair with a real draft up, both on one pool of ``threads``
+    spinning workers (then every later load of the process is on it too)."""
     import edgespec
     from edgespec.runtime.providers import SessionConfig
 
-    return edgespec.load(pkg, provider="cpu",
-                         target=SessionConfig(provider="cpu", threads=threads, spin=spin),
+    target = SessionConfig(provider="cpu", threads=threads, spin=spin, shared_pool=shared_pool)
+    return edgespec.load(pkg, provider="cpu", target=target,
+                         draft=target if shared_pool else None,
                          calibration_cache=False,
                          prefix_cache_slots=0)  # every run prefills its prompt, as llama-cli
 
@@ -321,7 +324,7 @@ def run_record(result) -> dict:
 
 def cmd_lookup(args) -> dict:
     bin_dir = Path(args.llama)
-    pipe = load_pipeline(args.pkg, args.threads)
+    pipe = load_pipeline(args.pkg, args.threads, shared_pool=True)
     prompts = [json.loads(l) for l in Path(args.prompts).read_text().splitlines() if l.strip()]
     rows = []
     for p in prompts[: args.limit]:
@@ -404,7 +407,7 @@ def cmd_speculative(args) -> dict:
         raise SystemExit(f"--also LABEL=PKG: each label once, a name not starting with edgespec, "
                          f"llamacpp or genai (got {', '.join(labels)})")
     bin_dir = Path(args.llama)
-    pipe = load_pipeline(args.pkg, args.threads)
+    pipe = load_pipeline(args.pkg, args.threads, shared_pool=True)
     ks = [int(k) for k in args.ks.split(",")]
     configs = {"edgespec_none": dict(drafter="none"),
                "edgespec_ngram_adaptive": dict(drafter="ngram", schedule="adaptive",
@@ -415,7 +418,7 @@ def cmd_speculative(args) -> dict:
     # target-only run too, the reference its greedy tokens must equal): each drafter at
     # every fixed k and adaptive, in the same turns
     for label, path in [("edgespec", None), *(a.partition("=")[::2] for a in args.also)]:
-        other = pipe if path is None else load_pipeline(path, args.threads)
+        other = pipe if path is None else load_pipeline(path, args.threads, shared_pool=True)
         if other.manifest.draft is None:
             print(f"{label}: {path or args.pkg} has no draft model; its drafters are not timed")
             continue

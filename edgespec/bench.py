@@ -322,9 +322,16 @@ def check_plotting(path: Path) -> None:
     check_writable(path, "--plot")
 
 
+def _pool(session: dict) -> str:
+    """How a session's worker threads were set up, as the results file recorded it."""
+    if session.get("on_shared_pool"):
+        return " on the shared pool"
+    return " spinning" if session["spin"] else ""
+
+
 def format_table(report: BenchReport) -> str:
     threads = ", ".join(f"{role} {s['threads'] or 'all'} thread(s)"
-                        f"{' spinning' if s['spin'] else ''} on {s['providers'][0]}"
+                        f"{_pool(s)} on {s['providers'][0]}"
                         for role, s in report.sessions.items())
     lines = [
         f"machine: {describe(report.machine)}" if report.machine else "machine: not recorded",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -137,10 +138,79 @@ def test_thread_defaults_follow_the_drafts_size():
     from edgespec.runtime.providers import LARGE_DRAFT_PARAMETERS, default_session_configs
 
     cores = os.cpu_count() or 1
+    pool = lambda c: (c.threads, c.spin, c.shared_pool)  # noqa: E731
     target, draft = default_session_configs("cpu", draft_parameters=1_600_000)  # the demo's
-    assert (target.threads, target.spin, draft.threads, draft.spin) == (cores, True, 1, False)
+    assert (pool(target), pool(draft)) == ((cores, True, False), (1, False, False))
     target, draft = default_session_configs("cpu", draft_parameters=LARGE_DRAFT_PARAMETERS)
-    assert (target.threads, target.spin, draft.threads, draft.spin) == (cores, True, cores, False)
+    assert (pool(target), pool(draft)) == ((cores, True, False), (cores, False, False))
+    # a real draft shares one pool with its target, every core spinning; a tiny one does not
+    target, draft = default_session_configs("cpu", draft_parameters=LARGE_DRAFT_PARAMETERS,
+                                            shared_pool=True)
+    assert pool(target) == pool(draft) == (cores, True, True)
+    target, draft = default_session_configs("cpu", draft_parameters=1_600_000, shared_pool=True)
+    assert (pool(target), pool(draft)) == ((cores, True, False), (1, False, False))
+
+
+SHARED_POOL = """
+import sys
+from edgespec.runtime import providers
+from edgespec.runtime.providers import SessionConfig
+if sys.argv[1] == "made elsewhere":  # a host application made onnxruntime's global pools first
+    from onnxruntime.capi._pybind_state import set_global_thread_pool_sizes
+    set_global_thread_pool_sizes(2, 1)
+own, shared = SessionConfig("cpu", threads=1), SessionConfig("cpu", threads=2, shared_pool=True)
+print([providers.on_shared_pool(own), providers.on_shared_pool(shared),
+       providers.on_shared_pool(own), providers.shared_pool_threads()])
+"""
+
+
+@pytest.mark.parametrize("before, answers", [
+    ("nothing", [False, True, True, 2]),  # once made, every session is on it
+    ("made elsewhere", [False, True, True, None]),  # its size unknown
+])
+def test_the_pool_is_made_once_and_then_every_session_runs_on_it(before, answers):
+    """In a process of its own: onnxruntime makes its global pools once per process."""
+    out = subprocess.run([sys.executable, "-c", SHARED_POOL, before], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert out == str(answers)
+
+
+PAIR_ON_POOLS = """
+import json, sys
+import edgespec
+if sys.argv[2] == "made elsewhere":  # a host application made onnxruntime's global pools first
+    from onnxruntime.capi._pybind_state import set_global_thread_pool_sizes
+    set_global_thread_pool_sizes(2, 1)
+from edgespec.runtime.providers import SessionConfig
+# a large draft's settings: each on two threads, of its own pool or of the shared one
+shared = sys.argv[2] == "shared"
+target = SessionConfig("cpu", threads=2, spin=True, shared_pool=shared)
+pipe = edgespec.load(sys.argv[1], target=target, draft=SessionConfig("cpu", threads=2,
+                                                                     shared_pool=shared))
+tokens = []
+for temperature in (0.0, 0.8):
+    result = pipe.generate("def add(a, b):", max_new_tokens=12, schedule="fixed",
+                           draft_length=3, temperature=temperature, seed=5)
+    assert result.stats.drafted > 0
+    tokens.append(result.token_ids)
+sessions = pipe.describe_sessions()
+print(json.dumps([tokens, [sessions[r]["on_shared_pool"] for r in ("target", "draft")]]))
+"""
+
+
+def test_a_pair_on_the_shared_pool_gives_the_tokens_of_its_own_pools(packages):
+    """The shared pool changes where work runs, not what it computes: greedy and seeded
+    tokens as on pools of their own of as many threads. Where a host made onnxruntime's
+    global pools first, a load that did not ask for them runs on them (as onnxruntime
+    requires) instead of failing; the results file says which pool ran."""
+    def run(mode: str) -> list:
+        args = [sys.executable, "-c", PAIR_ON_POOLS, str(packages["llama"]), mode]
+        out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+        return json.loads(out.splitlines()[-1])
+
+    own, shared, elsewhere = run("own"), run("shared"), run("made elsewhere")
+    assert own[1] == [False, False] and shared[1] == elsewhere[1] == [True, True]
+    assert own[0] == shared[0] == elsewhere[0]
 
 
 def test_the_stats_say_which_threads_ran(packages):

@@ -17,6 +17,13 @@ import click
 from edgespec.errors import ConfigError, EdgespecError
 
 
+# Whether this process is the ``edgespec`` command's own (``entry``): its packages are then
+# loaded with both models on one pool of worker threads (edgespec.load's shared_pool), which
+# every onnxruntime session of a process must then use: a process that imports the commands
+# (a test's CliRunner) keeps the library's choice.
+_OWN_PROCESS = False
+
+
 class Terminated(BaseException):
     """SIGTERM, raised where the program is, so that cleanup runs as it does for Ctrl-C."""
 
@@ -28,7 +35,9 @@ def entry() -> None:
     one line and no traceback, after every ``finally`` has run (an export removes its temporary
     folder). A closed stdout (``| head``) ends quietly.
     """
+    global _OWN_PROCESS
     signal.signal(signal.SIGTERM, _terminate)
+    _OWN_PROCESS = True
     try:
         main(standalone_mode=False)
     except click.exceptions.Abort as e:
@@ -134,7 +143,7 @@ def loader():
     runtime()
     from edgespec.loading import load
 
-    return load
+    return functools.partial(load, shared_pool=True) if _OWN_PROCESS else load
 
 
 @contextlib.contextmanager

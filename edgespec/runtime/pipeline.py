@@ -101,6 +101,7 @@ class Pipeline:
         calibration_cache: bool = True,
         prefix_cache_slots: int = 1,
         prefix_cache_bytes: int | None = None,
+        shared_pool: bool = False,
     ):
         self.path = Path(path)
         # the caches of the last generations, which the next starts from (prefix_cache.py)
@@ -110,8 +111,8 @@ class Pipeline:
         self.tokenizer = load_tokenizer(self.path, self.manifest)  # before the slow sessions
         m = self.manifest
         default_target, default_draft = default_session_configs(
-            provider, draft_provider, draft_parameters=m.draft.parameters if m.draft else 0
-        )
+            provider, draft_provider, draft_parameters=m.draft.parameters if m.draft else 0,
+            shared_pool=shared_pool)
         configs = {"target": target or default_target, "draft": draft or default_draft}
         self.session_configs = {role: configs[role] for role in m.models}
         sessions = {
@@ -379,7 +380,8 @@ class Pipeline:
         """Each model's session settings and the providers it runs on (for results files)."""
         sessions = {"target": self.target, "draft": self.draft}
         return {role: {**asdict(config), "providers": sessions[role].providers,
-                       "min_run_tokens": sessions[role].min_run_tokens}
+                       "min_run_tokens": sessions[role].min_run_tokens,
+                       "on_shared_pool": sessions[role].shared_pool}
                 for role, config in self.session_configs.items()}
 
     def generate(

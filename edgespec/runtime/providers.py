@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -45,6 +45,12 @@ class SessionConfig:
     threads: intra-op threads on the CPU; 0 lets onnxruntime use every core.
     spin: let idle worker threads spin. Faster for a lone session, but two sessions that run
         in turn on a small machine steal each other's cores while spinning.
+    shared_pool: run on the process's one pool of worker threads (onnxruntime's global
+        pools, their workers spinning), made by the first session that asks, with its
+        ``threads``: a target and a draft that run in turn then never wait for each other's
+        workers (``default_session_configs``). Once it exists every later session of the
+        process runs on it, whatever its own settings (``on_shared_pool``), and so must any
+        other onnxruntime session the process makes (``use_per_session_threads = False``).
     trt_cache_dir: folder where TensorRT keeps built engines (building one takes minutes; the
         cache makes every later load fast). None: no cache.
     trt_fp16: let TensorRT run layers in fp16.
@@ -53,6 +59,7 @@ class SessionConfig:
     provider: str = "auto"
     threads: int = 0
     spin: bool = False
+    shared_pool: bool = False
     trt_cache_dir: str | None = None
     trt_fp16: bool = False
 
@@ -63,30 +70,71 @@ class SessionConfig:
             raise ConfigError(f"threads must be >= 0 (0 = all cores), got {self.threads}")
 
 
+# The process's shared pool (onnxruntime's global pools: made once, never replaced; once
+# they exist every session of the process must run on them): its intra-op threads once made
+# here, 0 where other code made them, None before either.
+_SHARED_POOL_THREADS: int | None = None
+def on_shared_pool(config: SessionConfig) -> bool:
+    """Whether a session of ``config`` runs on the process's shared pool: where it asks for
+    it (made then, with its threads, 0 for every usable core), and always once the pool
+    exists, whatever its threads: onnxruntime allows no pool of a session's own beside it."""
+    global _SHARED_POOL_THREADS
+    if config.shared_pool and _SHARED_POOL_THREADS is None:
+        threads = config.threads or usable_cores()
+        # onnxruntime 1.22 has no way to make them from Python: every session keeps its own
+        make = getattr(ort.capi._pybind_state, "set_global_thread_pool_sizes", None)
+        if make is None:
+            return False
+        try:
+            make(threads, 1)
+            _SHARED_POOL_THREADS = threads
+        except Exception:  # onnxruntime's untyped error: made already, by code not ours
+            _SHARED_POOL_THREADS = 0
+    return _SHARED_POOL_THREADS is not None
+
+
+def shared_pool_threads() -> int | None:
+    """The shared pool's intra-op threads where this process made it; None where it has none
+    or other code made it (its size unknown)."""
+    return _SHARED_POOL_THREADS or None
+
+
 # A draft this large (parameters) gets every core: its step streams tens of MB of weights or
 # more, which one core reads far slower than all of them (see default_session_configs).
 LARGE_DRAFT_PARAMETERS = 20_000_000
 
 
 def default_session_configs(
-    provider: str = "auto", draft_provider: str | None = None, draft_parameters: int = 0
+    provider: str = "auto", draft_provider: str | None = None, draft_parameters: int = 0,
+    shared_pool: bool = False,
 ) -> tuple[SessionConfig, SessionConfig]:
     """(target, draft) settings that do not fight over a small CPU, by the draft's size.
 
-    The target always gets every core and spinning workers, which answer its next run sooner.
+    ``shared_pool`` (the ``edgespec`` command's choice; a library's is its caller's,
+    edgespec.load), for a real draft (``draft_parameters`` >= LARGE_DRAFT_PARAMETERS:
+    SmolLM2-135M, Qwen2.5-0.5B): both sessions on the process's one pool of every core, its
+    workers spinning. Two sessions that run in turn then never wait for each other's
+    workers: on a 2-core AMD EPYC the real pair's draft step went from 11.2-12.2 ms to 8.6-9.1
+    and a k = 3 round from 116-118 ms to 105-108, SmolLM2's draft step from 2.3 to 1.6 ms
+    (benchmarks/RESULTS.md, "Verification runs and draft steps against the target's step").
+    A tiny draft keeps its one thread (the demo's round took 2.9 ms either way), and with it
+    the outputs the library gives for a seed.
 
-    A tiny draft (the demo's) runs on one thread, as fast as on several, with no worker threads
-    to spin: spinning threads on both sessions steal each other's cores on a small machine.
-
-    A real draft (``draft_parameters`` >= LARGE_DRAFT_PARAMETERS: SmolLM2-135M, Qwen2.5-0.5B)
-    is memory-bound like its target and one thread leaves most of its speed unused: it gets
-    every core, not spinning (``python benchmarks/real_shapes.py run``; the measurements are
-    in benchmarks/RESULTS.md).
+    Otherwise each session has a pool of its own. The target gets every core and spinning
+    workers, which answer its next run sooner. A tiny draft (the demo's) runs on one thread,
+    as fast as on several, with no worker threads to spin: spinning threads of two pools steal
+    each other's cores on a small machine. A real draft is memory-bound like its target and
+    one thread leaves most of its speed unused: it gets every core, not spinning
+    (``python benchmarks/real_shapes.py run``).
     """
     cores = usable_cores()  # not os.cpu_count(): a container's share, not the host's CPUs
+    large = draft_parameters >= LARGE_DRAFT_PARAMETERS
+    if shared_pool and large:
+        on_pool = SessionConfig(provider, threads=cores, spin=True, shared_pool=True)
+        return on_pool, replace(on_pool, provider=draft_provider or provider)
     target = SessionConfig(provider, threads=cores, spin=True)
-    draft_threads = cores if draft_parameters >= LARGE_DRAFT_PARAMETERS else 1
-    return target, SessionConfig(draft_provider or provider, threads=draft_threads, spin=False)
+    return target, SessionConfig(draft_provider or provider, threads=cores if large else 1,
+                                 spin=False)
 
 
 def provider_chain(config: SessionConfig) -> tuple[list, str | None]:

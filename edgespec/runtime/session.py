@@ -12,7 +12,12 @@ from edgespec.manifest import FEATURES, HIDDEN_OUT, LOGITS_TO_KEEP, ModelSpec
 from edgespec.runtime import loader
 from edgespec.runtime.kv_cache import CacheError, InPlaceKVCache, KVCache
 from edgespec.runtime.package_checks import check_graph_io, check_probe_run
-from edgespec.runtime.providers import SessionConfig, fallback_warning, provider_chain
+from edgespec.runtime.providers import (
+    SessionConfig,
+    fallback_warning,
+    on_shared_pool,
+    provider_chain,
+)
 
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 INITIAL_POSITIONS = 256  # an in-place cache's first size when no request length is given
@@ -20,6 +25,8 @@ INITIAL_POSITIONS = 256  # an in-place cache's first size when no request length
 # token and a verify-sized run take different kernels, whatever min_run_tokens says (a manifest
 # may be wrong for this CPU, and the load's own checks run lone tokens)
 PROBE_RUNS = (1, 2, 9)
+# onnxruntime's refusal of a session's own pool in a process with global pools
+GLOBAL_POOLS_ONLY = "use_per_session_threads must be false"
 
 
 class ModelSession:
@@ -45,8 +52,12 @@ class ModelSession:
         options.intra_op_num_threads = config.threads
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.spin else "0")
+        # the process's one pool where asked, or where it exists (providers.on_shared_pool)
+        self.shared_pool = on_shared_pool(config)
+        if self.shared_pool:  # not an option in onnxruntime 1.22 (nor are global pools)
+            options.use_per_session_threads = False
         try:  # with the tensors made from a GGUF file's compact blocks (runtime/loader.py)
-            self.session = loader.inference_session(path, options, chain)
+            self.session = self._load(path, options, chain)
         except Exception as e:  # onnxruntime raises its own untyped errors for bad files
             raise ManifestError(f"cannot load {path}: {e}; re-export the pair") from None
         self.providers = self.session.get_providers()
@@ -67,6 +78,17 @@ class ModelSession:
         self.device = "cuda" if self.providers[0] != "CPUExecutionProvider" else "cpu"
         check_probe_run(path, self)  # a graph that cannot decode fails here, not at a request
         loader.release_unpacked(self.session, self._probe)  # onnxruntime holds copies
+
+    def _load(self, path: Path, options: ort.SessionOptions, chain: list):
+        """The session; on the process's global pools where other code made them, as
+        onnxruntime then requires of every session."""
+        try:
+            return loader.inference_session(path, options, chain)
+        except Exception as e:
+            if self.shared_pool or GLOBAL_POOLS_ONLY not in str(e):
+                raise
+        options.use_per_session_threads, self.shared_pool = False, True
+        return loader.inference_session(path, options, chain)
 
     def _probe(self) -> list[np.ndarray]:
         """The outputs of runs of each of PROBE_RUNS tokens on an empty cache, as fed (no
