@@ -58,8 +58,11 @@ def main() -> int:
     print(f"target-only tokens/s (median): {statistics.median(baseline):.1f}; "
           f"greedy identical: {identical}")
     if args.json:
+        from edgespec.runtime.machine import machine_info
+
         args.json.write_text(json.dumps({"table": table, "greedy_identical": identical,
-                                         "argv": sys.argv}, indent=1))
+                                         "argv": sys.argv, "machine": machine_info(),
+                                         "sessions": first.describe_sessions()}, indent=1))
     return 0
 
 

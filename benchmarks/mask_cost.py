@@ -28,7 +28,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from structured import PROMPTS  # noqa: E402
 
-import edgespec  # noqa: E402
 from edgespec import Constraint  # noqa: E402
 from edgespec.runtime.grammar import GrammarTokenizer  # noqa: E402
 from edgespec.runtime.machine import describe, machine_info  # noqa: E402
@@ -89,11 +88,16 @@ def main() -> int:
     args = parser.parse_args()
     from tokenizers import Tokenizer
 
-    pipe = edgespec.load(args.package)
-    source = (pipe.path / pipe.manifest.tokenizer).read_text()
-    eos = sorted(pipe.manifest.eos_token_ids)
+    # the package's manifest and tokenizer only: the mask needs no session
+    from edgespec.manifest import Manifest
+    from edgespec.models.registry import package_path
+
+    path = package_path(args.package)
+    manifest = Manifest.read(path)
+    source = (path / manifest.tokenizer).read_text()
+    eos = sorted(manifest.eos_token_ids)
     table = {}
-    for label, text, vocab in (("package", source, pipe.manifest.vocab_size),
+    for label, text, vocab in (("package", source, manifest.vocab_size),
                                ("padded", padded(source, args.pad_to), args.pad_to)):
         start = time.perf_counter()
         grammar_tokenizer = GrammarTokenizer(text, vocab, eos)

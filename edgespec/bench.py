@@ -219,7 +219,6 @@ def summarise(temperature: float, drafter: str, schedule: str, draft_length: int
     )
 
 
-
 @dataclass(frozen=True)
 class ConstrainedPrompt:
     """A prompt (text, token ids or chat messages) whose answers must match ``constraint``: a
@@ -296,6 +295,7 @@ def bench_prompts(pipe: Pipeline, path: Path | None = None) -> tuple[list[str | 
                             "to render them with; give the prompts as text")
     where = ("edgespec's task prompts, through the chat template" if path == BUILT_IN_PROMPTS
              else str(path))
+
     def rendered(prompt):
         text, constraint = _unwrapped(prompt)
         text = pipe.encode_chat(text) if isinstance(text, list) else text

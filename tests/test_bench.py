@@ -184,16 +184,18 @@ def test_a_prompt_with_a_json_schema_is_benched_under_it_with_and_without_drafti
     def recording(prompt, config=None, **settings):
         result = generate(prompt, config, **settings)
         constraint = settings.get("constraint", getattr(config, "constraint", None))
-        seen.append((prompt, constraint is not None, result.text))
+        seen.append((prompt, constraint is not None, result.text, result.stats.drafted))
         return result
 
     monkeypatch.setattr(pipe, "generate", recording)
     run_bench(pipe, prompts, BenchConfig(draft_lengths=(2,), temperatures=(0.0,),
                                          max_new_tokens=8, repeats=1))
-    held = [(c, text) for prompt, c, text in seen if prompt == "x = "]
-    assert held and all(c for c, _ in held)  # warm-up, target-only and speculative: all held
-    assert all(c is False for prompt, c, _ in seen if prompt == "def add(a, b):")
-    assert held[-1][1] == held[-2][1]  # greedy: the drafted answer is the undrafted one
+    held = [(c, text, drafted) for prompt, c, text, drafted in seen if prompt == "x = "]
+    assert held and all(c for c, _, _ in held)  # warm-up, target-only and speculative: all held
+    assert all(c is False for prompt, c, _, _ in seen if prompt == "def add(a, b):")
+    drafted = [d for _, _, d in held]
+    assert 0 in drafted and max(drafted) > 0  # target-only and drafted runs, both held
+    assert len({text for _, text, _ in held}) == 1  # greedy: drafted answers the undrafted one
     path.write_text(json.dumps({"prompt": "x", "json_schema": 5}) + "\n")
     with pytest.raises(EdgespecError, match="line 1: its json_schema is not one"):
         read_prompts(path)

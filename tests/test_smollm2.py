@@ -13,6 +13,8 @@ import hashlib
 import json
 import os
 import re
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -241,3 +243,40 @@ def test_models_build_passes_target_compute_and_quantize_to_the_export(tmp_path,
                                            *option])
         assert result.exit_code == 0, result.output
         assert calls[-1] == expected
+
+
+COMMAND_SESSIONS = """
+import json, sys
+import edgespec.loading
+from edgespec.cli.base import entry
+
+load = edgespec.loading.load
+
+
+def telling(*args, **kwargs):  # the command's load, its sessions said on stderr
+    pipe = load(*args, **kwargs)
+    print(json.dumps(pipe.describe_sessions()), file=sys.stderr)
+    return pipe
+
+
+edgespec.loading.load = telling
+sys.argv = ["edgespec", "generate", *sys.argv[1:]]
+entry()
+"""
+
+
+def test_the_command_runs_a_real_draft_on_its_targets_pool_with_the_librarys_tokens(smollm2):
+    """The ``edgespec`` command's process shares one pool between a real draft and its target
+    (a library's does not, unasked); greedy text as the library's on pools of its own."""
+    args = [sys.executable, "-c", COMMAND_SESSIONS, str(smollm2.path), "def largest(numbers):",
+            "-n", "16", "-k", "3", "--schedule", "fixed", "--json"]
+    done = subprocess.run(args, capture_output=True, text=True, check=True)
+    said = [line for line in done.stderr.splitlines() if line.startswith('{"target"')]
+    sessions = json.loads(said[-1])
+    assert [sessions[r]["on_shared_pool"] for r in ("target", "draft")] == [True, True]
+    assert [smollm2.describe_sessions()[r]["on_shared_pool"] for r in ("target", "draft")] == [
+        False, False]
+    out = json.loads(done.stdout)
+    expected = smollm2.generate("def largest(numbers):", max_new_tokens=16, draft_length=3,
+                                schedule="fixed")
+    assert out["stats"]["drafted"] > 0 and out["text"] == expected.text
