@@ -40,7 +40,7 @@ def load(
         the longest prefix it shares with one (runtime/prefix_cache.py); 0 slots keeps none.
     shared_pool: run both models on one pool of worker threads for the whole process
         (onnxruntime's global pools), faster where a draft and its target take turns on a
-        few cores: the real coder pair's rounds 8-10% shorter on 2 cores. Once it exists,
+        few cores: the real coder pair's rounds 10% shorter on 2 cores. Once it exists,
         every onnxruntime session the process makes must set
         ``SessionOptions.use_per_session_threads = False``: the ``edgespec`` command turns it
         on, a library's caller chooses.

@@ -74,6 +74,8 @@ class SessionConfig:
 # they exist every session of the process must run on them): its intra-op threads once made
 # here, 0 where other code made them, None before either.
 _SHARED_POOL_THREADS: int | None = None
+
+
 def on_shared_pool(config: SessionConfig) -> bool:
     """Whether a session of ``config`` runs on the process's shared pool: where it asks for
     it (made then, with its threads, 0 for every usable core), and always once the pool
@@ -114,8 +116,8 @@ def default_session_configs(
     edgespec.load), for a real draft (``draft_parameters`` >= LARGE_DRAFT_PARAMETERS:
     SmolLM2-135M, Qwen2.5-0.5B): both sessions on the process's one pool of every core, its
     workers spinning. Two sessions that run in turn then never wait for each other's
-    workers: on a 2-core AMD EPYC the real pair's draft step went from 11.2-12.2 ms to 8.6-9.1
-    and a k = 3 round from 116-118 ms to 105-108, SmolLM2's draft step from 2.3 to 1.6 ms
+    workers: on a 2-core AMD EPYC the real pair's draft step went from 12.8 ms to 9.1 and a
+    k = 3 round from 121.5 ms to 109.9, SmolLM2's draft step from 2.4 to 1.5 ms
     (benchmarks/RESULTS.md, "Verification runs and draft steps against the target's step").
     A tiny draft keeps its one thread (the demo's round took 2.9 ms either way), and with it
     the outputs the library gives for a seed.
