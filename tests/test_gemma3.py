@@ -190,6 +190,14 @@ def test_a_gguf_file_is_the_model_it_was_written_from(tmp_path):
     assert np.abs(logits - expected).max() <= manifest.target.validation["tolerance"]
 
 
+def test_a_constraint_writes_spaces_with_a_gguf_files_tokenizer(gguf_package):
+    """Gemma's SentencePiece pieces ("▁the") through the grammar engine (test_gguf.py's
+    check, on the tokenizer made from the file's pieces)."""
+    from test_gguf import assert_constrained_words
+
+    assert_constrained_words(edgespec.load(gguf_package))
+
+
 def test_greedy_output_with_ngram_drafting_is_target_only(gguf_package):
     pipe = edgespec.load(gguf_package)
     drafted, _ = greedy_is_target_only(pipe, NGRAM_PROMPTS, 4, "ngram")

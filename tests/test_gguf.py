@@ -184,6 +184,28 @@ def test_greedy_output_with_ngram_drafting_is_target_only(packages, name):
     _assert_ngram_greedy_is_target_only(pipe)
 
 
+def assert_constrained_words(pipe) -> None:
+    """A constraint whose text has spaces, on a package made from a GGUF file: its tokenizer's
+    spaces are inside its tokens ("Ġthe" or "▁the"), which the grammar engine must read as
+    the text they write (runtime/grammar.py's ``readable``), or no token could write the
+    second word. Greedy and sampled, the answer is the regular expression's."""
+    import re
+
+    from edgespec import Constraint
+
+    regex = "[a-z]{1,6}( [a-z]{1,6}){3}"
+    for temperature in (0.0, 1.0):
+        result = pipe.generate("the cat", max_new_tokens=40, temperature=temperature, seed=1,
+                               constraint=Constraint("regex", regex), drafter="none")
+        assert result.stats.finish_reason == "eos", result.text
+        assert re.fullmatch(regex, result.text), result.text
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_a_constraint_writes_spaces_with_a_gguf_files_tokenizer(packages, name):
+    assert_constrained_words(edgespec.load(packages[name]))
+
+
 def _logits(pipe, tokens=(5, 9, 2, 7, 11)) -> np.ndarray:
     session = pipe.target
     return session.forward(np.array(tokens, np.int64), session.new_cache(8))

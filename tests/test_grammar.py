@@ -169,6 +169,53 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "size", "kind"], "additionalProperties": False}
 
 
+def gguf_style_byte_level_tokenizer() -> str:
+    """A byte-level BPE tokenizer (GPT-2's alphabet: a space is "Ġ") whose decoder is the
+    sequence transformers' GGUF conversion writes for a "gpt2" vocabulary (SmolLM2's and Llama
+    3's files): ByteFallback, Fuse, Replace and ByteLevel."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+
+    backend = Tokenizer(BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.train_from_iterator(
+        ["New York and Los Angeles", '{"city": "New York"}', "the city of New York"] * 20,
+        trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                            special_tokens=["</s>"]))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Replace("▁", " "), decoders.ByteLevel()])
+    return backend.to_str()
+
+
+def test_a_gguf_conversions_byte_level_tokens_are_read_as_the_text_they_write(monkeypatch):
+    """llguidance reads a ByteLevel decoder only when it is the whole decoder: inside the
+    sequence above it took "ĠYork" for the bytes of "ĠYork", so a constraint saw other text
+    than the model wrote (a space in an enum or a tool call's ", " could never be written).
+    Given the decoder it reads, every token of "New York" is allowed along the text; wrong
+    variants: the tokenizer handed over as it is (refused by the byte check, and with that
+    check off, the text leaves the grammar)."""
+    from tokenizers import Tokenizer
+
+    source = gguf_style_byte_level_tokenizer()
+    backend = Tokenizer.from_str(source)
+    eos = backend.token_to_id("</s>")
+    ids = backend.encode('{"city": "New York"}').ids
+    assert any(backend.id_to_token(i).startswith("Ġ") for i in ids)  # a space inside a token
+
+    def follows(grammar_tokenizer: GrammarTokenizer) -> bool:
+        schema = {"type": "object", "properties": {"city": {"enum": ["New York", "Boston"]}},
+                  "required": ["city"]}
+        grammar = grammar_tokenizer.compile(Constraint.json_schema(schema))
+        return all(grammar.allowed(ids[:n])[ids[n]] for n in range(len(ids)))
+
+    assert follows(GrammarTokenizer(source, backend.get_vocab_size(), [eos]))
+    monkeypatch.setattr(grammar_module, "readable", lambda tokenizer_json: tokenizer_json)
+    with pytest.raises(ConstraintError, match="other text than its tokenizer writes"):
+        GrammarTokenizer(source, backend.get_vocab_size(), [eos])
+    monkeypatch.setattr(grammar_module, "_check_bytes", lambda *args: None)
+    assert not follows(GrammarTokenizer(source, backend.get_vocab_size(), [eos]))
+
+
 @pytest.fixture(scope="module")
 def demo():
     return edgespec.load(calibration_cache=False)

@@ -280,3 +280,26 @@ def test_the_command_runs_a_real_draft_on_its_targets_pool_with_the_librarys_tok
     expected = smollm2.generate("def largest(numbers):", max_new_tokens=16, draft_length=3,
                                 schedule="fixed")
     assert out["stats"]["drafted"] > 0 and out["text"] == expected.text
+
+
+def test_a_constrained_answer_writes_the_spaces_its_schema_asks_for(smollm2):
+    """SmolLM2's tokenizer, converted from its GGUF file, decodes through a sequence of
+    decoders; the grammar engine must read "ĠYork" as " York" (runtime/grammar.py's
+    ``readable``), or an enum with a space, and a tool call's ", ", could never be written.
+    Greedy, with and without drafting: the same tokens, JSON that fits the schema."""
+    import jsonschema
+
+    from edgespec import Constraint
+
+    schema = {"type": "object", "properties": {
+        "city": {"enum": ["New York", "Los Angeles", "San Francisco"]},
+        "reason": {"type": "string", "maxLength": 40}}, "required": ["city", "reason"],
+        "additionalProperties": False}
+    messages = [{"role": "user", "content": "Which US city is the largest? Answer as JSON."}]
+    answers = [smollm2.chat(messages, max_new_tokens=48, constraint=Constraint.json_schema(schema),
+                            draft_length=3, schedule="fixed", drafter=drafter)
+               for drafter in ("none", "model")]
+    assert answers[0].token_ids == answers[1].token_ids and answers[1].stats.drafted > 0
+    if answers[0].stats.finish_reason == "eos":
+        jsonschema.validate(json.loads(answers[0].text), schema)
+    assert re.search(r'"(New York|Los Angeles|San Francisco)"', answers[0].text)

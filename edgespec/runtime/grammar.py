@@ -57,6 +57,53 @@ def _engine():
     return llguidance
 
 
+# text whose tokens cover spaces, newlines, digits, quotes, JSON punctuation and non-ASCII
+# letters: the grammar engine must read each of its tokens as the bytes the tokenizer writes
+_PROBE = '{"name": "Ana Ribeiro", "tags": ["a b", "ção"], "n": 12.5}\n  if x:\n\treturn "ok"'
+
+
+def readable(tokenizer_json: str) -> str:
+    """The tokenizer as llguidance reads its tokens' bytes: a byte-level vocabulary whose
+    decoder is a sequence (transformers' GGUF conversion of a "gpt2" vocabulary, as SmolLM2's
+    and Llama 3's files have it, writes ByteFallback, Fuse, Replace and ByteLevel) gets the
+    ByteLevel decoder alone, which decodes its tokens the same. llguidance (1.9) recognises
+    ByteLevel only as the whole decoder and otherwise reads "Ġ" as the two bytes of that
+    letter: its masks then follow another text than the model writes, in which no token
+    writes a space (an enum's "New York" or a tool call's ", " could not be written)."""
+    data = json.loads(tokenizer_json)
+    decoder = data.get("decoder") or {}
+    if decoder.get("type") == "Sequence":
+        levels = [d for d in decoder.get("decoders") or [] if d.get("type") == "ByteLevel"]
+        if levels and _byte_level_pre_tokenizer(data.get("pre_tokenizer") or {}):
+            data["decoder"] = levels[-1]
+            return json.dumps(data)
+    return tokenizer_json
+
+
+def _byte_level_pre_tokenizer(pre: dict) -> bool:
+    if pre.get("type") == "ByteLevel":
+        return True
+    return pre.get("type") == "Sequence" and any(
+        _byte_level_pre_tokenizer(p) for p in pre.get("pretokenizers") or [])
+
+
+def _check_bytes(engine_tokenizer, tokenizer_json: str) -> None:
+    """Refuse a tokenizer whose tokens the engine reads as other bytes than the tokenizer
+    decodes them to: its masks would allow the wrong tokens, silently."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    added = tokenizer.get_added_tokens_decoder()  # special and added tokens: their text whole
+    ids = [i for i in tokenizer.encode(_PROBE, add_special_tokens=False).ids if i not in added]
+    wrote = tokenizer.decode(ids).encode()
+    read = engine_tokenizer.decode_bytes(ids)
+    if read != wrote:
+        raise ConstraintError(
+            f"llguidance reads this package's tokens as other text than its tokenizer writes "
+            f"({read[:40]!r} for {wrote[:40]!r}); constrained decoding cannot use this "
+            "tokenizer; report its decoder (tokenizer.json's \"decoder\") to edgespec")
+
+
 class GrammarTokenizer:
     """A package's tokenizer as llguidance reads it, made once per pipeline (about a second
     for a 150k-token vocabulary) and shared by its requests."""
@@ -66,11 +113,12 @@ class GrammarTokenizer:
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
         self.eos_token_ids = sorted(eos_token_ids)
         try:
-            self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+            self.tokenizer = llguidance.LLTokenizer(readable(tokenizer_json), n_vocab=vocab_size,
                                                     eos_token=self.eos_token_ids or None)
         except Exception as e:  # noqa: BLE001: the library's refusal, said in one line
             raise ConstraintError(f"llguidance cannot read this package's tokenizer "
                                   f"({one_line(e, 160)})") from None
+        _check_bytes(self.tokenizer, tokenizer_json)
 
     def compile(self, constraint: Constraint) -> "Grammar":
         """A fresh matcher for one request."""
