@@ -206,6 +206,24 @@ def test_a_constraint_writes_spaces_with_a_gguf_files_tokenizer(packages, name):
     assert_constrained_words(edgespec.load(packages[name]))
 
 
+def test_a_required_tool_call_is_written_with_a_gguf_files_tokenizer(packages):
+    """A call in Llama 3's format ({"name": ..., "parameters": ...} with ", " and ": " between
+    items, runtime/tools.py) from a package made of a "gpt2"-vocabulary GGUF file, as a Llama
+    3.2 file is: every separator's space is inside a token, and the call parses."""
+    from edgespec.runtime.tools import Llama3, read_tools
+
+    tools = read_tools([{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"]}}}])
+    pipe = edgespec.load(packages["llama"])
+    result = pipe.generate("the cat", max_new_tokens=64, drafter="none",
+                           constraint=Llama3().constraint("required", tools, parallel=False))
+    assert result.stats.finish_reason == "eos", result.text
+    assert result.text.startswith('{"name": "get_weather", "parameters": {"city": "')
+    content, calls = Llama3().parse(result.text)
+    assert content is None and [call.name for call in calls] == ["get_weather"]
+
+
 def _logits(pipe, tokens=(5, 9, 2, 7, 11)) -> np.ndarray:
     session = pipe.target
     return session.forward(np.array(tokens, np.int64), session.new_cache(8))
