@@ -59,11 +59,51 @@ def test_a_short_sure_match_is_extended_by_the_model():
     assert best_plan(COSTS, [0.99] * 2, alpha=0.95, k=4) == (2, 4)
 
 
-def test_a_draft_model_that_must_catch_up_first_is_weighed_with_that_run():
-    """After text rounds the model's first run feeds every token its cache lacks: a close
-    call goes to the text then."""
-    assert best_plan(COSTS, [0.4] * 4, alpha=0.7, k=3, lag=0) == (0, 3)
-    assert best_plan(COSTS, [0.4] * 4, alpha=0.7, k=3, lag=32) == (3, 0)
+# the real coder pair's costs on a 2-core CPU: a 9 ms draft step, a 52 ms target step and
+# 11.6 ms more per verified position
+REAL = StepCosts(9.0, tuple(52.0 + 11.6 * n for n in range(9)),
+                 ((17, 52.0 + 11.6 * 16), (33, 52.0 + 11.6 * 32)))
+
+
+def test_the_tokens_a_round_commits_without_the_model_are_owed_to_its_cache():
+    """A text round's tokens must be fed to the draft model before it drafts again: each is
+    charged where it is committed (a draft run's marginal cost per token), so a text at 45%
+    loses to a model at 70%, which it beat when those feeds were free."""
+    assert best_plan(REAL, [0.45] * 6, alpha=0.7, k=3) == (0, 3)
+    assert best_plan(REAL, [0.45] * 6, alpha=0.7, k=0) == (1, 0)  # no model: nothing owed
+
+
+def test_a_model_that_guesses_better_is_chosen_however_long_the_text_went_before():
+    """What the text rounds before left the model's cache to feed is charged to them, never
+    again, whole, to the model's next round: charged there, a text at 35% kept the round
+    from a model at 90% after 32 such tokens (conversations that quote themselves kept the
+    text at 50% where the model's proposals were taken at 75%)."""
+    assert best_plan(REAL, [0.35] * 6, alpha=0.9, k=3) == (0, 3)
+    assert best_plan(REAL, [0.35] * 6, alpha=0.3, k=3)[1] == 0  # and a worse one is not
+
+
+def test_a_model_not_asked_is_asked_again_once_its_evidence_fades():
+    """Rounds that do not ask the model relax its estimate back to the prior, so a model that
+    once guessed worse than the text (0.2 here) is tried again."""
+    from edgespec.runtime.schedule import AcceptanceEstimate
+
+    estimate = AcceptanceEstimate(prior_alpha=0.6, prior_weight=2.0, decay=0.9)
+    estimate.update(2, 10)
+    assert estimate.alpha < 0.3
+    for _ in range(60):
+        estimate.relax()
+    assert estimate.alpha == pytest.approx(0.6, abs=0.01)
+    # the drafter relaxes its model's estimate after a round of the text's alone, not after
+    # one that looked at the model's proposals
+    drafter = _mixed()
+    drafter.prefill([1, 2, 3, 1, 2])
+    drafter.model_acceptance.update(0, 10)
+    low = drafter.model_acceptance.alpha
+    drafter.observe([1, 2, 3, 1, 2, 3], Round([3], 1, 1, ("ngram",)))
+    assert drafter.model_acceptance.alpha > low
+    relaxed = drafter.model_acceptance.alpha
+    drafter.observe([1, 2, 3, 1, 2, 3, 9], Round([9], 2, 0, ("model", "model")))
+    assert drafter.model_acceptance.alpha < relaxed  # its first proposal rejected
 
 
 def test_a_plan_never_proposes_more_than_a_round_can_verify():

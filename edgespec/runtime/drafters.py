@@ -465,7 +465,9 @@ class MixedDrafter(Drafter):
     chained along its own proposals, point masses: microseconds each, so a long copy is
     verified in one target run of its length), or that continuation extended by the draft
     model's k. Each source's acceptance is measured: the model's from its verified proposals
-    (as the adaptive schedule measures it); the text's from every committed token, proposed or
+    (as the adaptive schedule measures it), fading back to its prior over rounds that do not
+    ask it, so a model that lost to the text is tried again; the text's from every committed
+    token, proposed or
     not, by whether the lookup there predicted it, which is unbiased because the committed
     token is drawn from p (P(x_n = x) = p(x), the acceptance of a point mass on x). It is kept
     per n-gram length matched and per whether the lookup predicted the token before, since a
@@ -530,8 +532,7 @@ class MixedDrafter(Drafter):
             text = next((i for i, a in enumerate(chain[:k]) if a < alpha), min(k, len(chain)))
             plan = (text, k - text)
         else:
-            lag = max(len(committed) - 1 - self.model.cache.length, 0)  # not run by the model
-            plan = best_plan(self.costs, chain, alpha, k, lag)
+            plan = best_plan(self.costs, chain, alpha, k)
         segments = [(drafter, n) for drafter, n in zip((self.text, self.model), plan) if n]
         self.last = segments[-1][0] if segments else self.model
         return segments or [(self.model, 0)]
@@ -561,6 +562,8 @@ class MixedDrafter(Drafter):
         if mine:
             took = sum(s == self.model.name for s in done.sources[: done.accepted])
             self.model_acceptance.update(took, mine)
+        else:  # not asked: what it showed fades back to the prior, so it is asked again
+            self.model_acceptance.relax()
         # the text's: whether the lookup predicted each committed token, proposed or not
         index = self.text.index
         index.sync(committed)
@@ -577,7 +580,7 @@ class MixedDrafter(Drafter):
         self.text.rollback(length)
 
 
-def best_plan(costs: StepCosts, chain: Sequence[float], alpha: float, k: int, lag: int = 0
+def best_plan(costs: StepCosts, chain: Sequence[float], alpha: float, k: int
               ) -> tuple[int, int]:
     """(text positions, model positions) of the round of most expected tokens per ms: a plain
     target step (0, 0), the model's k alone (0, k), the text's first L positions (``chain``:
@@ -587,9 +590,15 @@ def best_plan(costs: StepCosts, chain: Sequence[float], alpha: float, k: int, la
     A round's expected yield is 1 + sum over i of P(its first i proposals accepted) (with one
     alpha for all: schedule.expected_tokens); a text position costs nothing but its place in
     the target's run (``costs.verify_ms``), a model position a draft step too, and the model's
-    first step of a round feeds what its cache lacks: the ``lag`` committed tokens it has not
-    run (after text rounds) and the text's L, a run that costs a draft step scaled as the
-    target's runs scale with their length (the draft's own are not measured).
+    first step of a round feeds the text's L before it, a run that costs a draft step scaled
+    as the target's runs scale with their length (the draft's own are not measured).
+
+    The tokens a round commits without the model (a text round's, a plain step's) are owed to
+    the model's cache: each is charged where it is committed, at the marginal cost of feeding
+    one more token to a draft run. What they add up to is not charged again to the round
+    that feeds them: charged there whole, it grew with every text round and kept the model
+    from being chosen again, however much better it guessed (conversations that quote
+    themselves, the text taken at 50% where the model's proposals were taken at 75%).
     """
     verify = costs.verify_table  # [n]: a target run on n tokens
     draft = costs.draft_step_ms * np.arange(k + 1)  # [j]: j draft steps
@@ -597,15 +606,16 @@ def best_plan(costs: StepCosts, chain: Sequence[float], alpha: float, k: int, la
     def catch_up(fed: int) -> float:  # a draft run on 1 + fed tokens, past one step
         return costs.draft_step_ms * (verify[min(fed + 1, len(verify) - 1)] / verify[1] - 1)
 
+    owed = catch_up(1)  # feeding the model one more committed token, later
     tails = np.cumsum(alpha ** np.arange(k + 1)) - 1  # [j]: the model's j, once reached
-    plans = [((0, 0), 1.0 / verify[1])]
+    plans = [((0, 0), 1.0 / (verify[1] + owed))] if k else [((0, 0), 1.0 / verify[1])]
     if k:
-        plans.append(((0, k), (1 + tails[k]) / (verify[k + 1] + draft[k] + catch_up(lag))))
+        plans.append(((0, k), (1 + tails[k]) / (verify[k + 1] + draft[k])))
     chain = np.asarray(chain[:TEXT_MAX_K], dtype=np.float64)
     if len(chain):
         reached = np.cumprod(chain)  # [L-1]: P(the text's first L accepted)
         tokens = 1 + np.cumsum(reached)  # [L-1]: expected tokens of the text's L
-        text_only = tokens / verify[2 : len(chain) + 2]
+        text_only = tokens / (verify[2 : len(chain) + 2] + (owed * tokens if k else 0.0))
         best = int(np.argmax(text_only))
         plans.append(((best + 1, 0), text_only[best]))
         # the model's turn is worth weighing where it guesses the next position better
@@ -614,7 +624,7 @@ def best_plan(costs: StepCosts, chain: Sequence[float], alpha: float, k: int, la
             model = np.arange(1, min(k, TEXT_MAX_K - text) + 1)
             if len(model):
                 rates = ((tokens[text - 1] + reached[text - 1] * tails[model])
-                         / (verify[text + model + 1] + draft[model] + catch_up(lag + text)))
+                         / (verify[text + model + 1] + draft[model] + catch_up(text)))
                 j = int(np.argmax(rates))
                 plans.append(((int(text), int(model[j])), rates[j]))
     return max(plans, key=lambda plan: plan[1])[0]

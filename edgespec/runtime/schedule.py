@@ -148,8 +148,8 @@ class AcceptanceEstimate:
     ``prior_alpha`` worth ``prior_weight`` proposals."""
 
     def __init__(self, prior_alpha: float = 0.6, prior_weight: float = 2.0, decay: float = 0.9):
-        self.decay = decay
-        self.accepted, self.looked_at = prior_alpha * prior_weight, prior_weight
+        self.decay, self.prior = decay, (prior_alpha * prior_weight, prior_weight)
+        self.accepted, self.looked_at = self.prior
 
     @property
     def alpha(self) -> float:
@@ -158,6 +158,12 @@ class AcceptanceEstimate:
     def update(self, accepted: int, looked_at: int) -> None:
         self.accepted = self.decay * self.accepted + accepted
         self.looked_at = self.decay * self.looked_at + looked_at
+
+    def relax(self) -> None:
+        """A round without proposals to look at: the evidence forgets as one update would,
+        and the prior takes its place (after ~1 / (1 - decay) such rounds it is most of it)."""
+        self.accepted = self.decay * self.accepted + (1 - self.decay) * self.prior[0]
+        self.looked_at = self.decay * self.looked_at + (1 - self.decay) * self.prior[1]
 
 
 class AdaptiveSchedule:
