@@ -87,12 +87,9 @@ def _byte_level_pre_tokenizer(pre: dict) -> bool:
         _byte_level_pre_tokenizer(p) for p in pre.get("pretokenizers") or [])
 
 
-def _check_bytes(engine_tokenizer, tokenizer_json: str) -> None:
+def _check_bytes(engine_tokenizer, tokenizer) -> None:
     """Refuse a tokenizer whose tokens the engine reads as other bytes than the tokenizer
     decodes them to: its masks would allow the wrong tokens, silently."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_str(tokenizer_json)
     added = tokenizer.get_added_tokens_decoder()  # special and added tokens: their text whole
     ids = [i for i in tokenizer.encode(_PROBE, add_special_tokens=False).ids if i not in added]
     wrote = tokenizer.decode(ids).encode()
@@ -108,7 +105,10 @@ class GrammarTokenizer:
     """A package's tokenizer as llguidance reads it, made once per pipeline (about a second
     for a 150k-token vocabulary) and shared by its requests."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
+                 tokenizer=None):
+        """``tokenizer``: the ``tokenizers.Tokenizer`` of ``tokenizer_json``, if the caller
+        has it loaded (read from the text otherwise)."""
         llguidance = _engine()
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
         self.eos_token_ids = sorted(eos_token_ids)
@@ -118,7 +118,11 @@ class GrammarTokenizer:
         except Exception as e:  # noqa: BLE001: the library's refusal, said in one line
             raise ConstraintError(f"llguidance cannot read this package's tokenizer "
                                   f"({one_line(e, 160)})") from None
-        _check_bytes(self.tokenizer, tokenizer_json)
+        if tokenizer is None:
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_str(tokenizer_json)
+        _check_bytes(self.tokenizer, tokenizer)
 
     def compile(self, constraint: Constraint) -> "Grammar":
         """A fresh matcher for one request."""

@@ -293,7 +293,8 @@ class Pipeline:
         """The tokenizer as the constraint engine reads it (grammar.py), made on first use."""
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = GrammarTokenizer(
-                self.tokenizer.to_str(), self.manifest.vocab_size, self.manifest.eos_token_ids)
+                self.tokenizer.to_str(), self.manifest.vocab_size, self.manifest.eos_token_ids,
+                self.tokenizer)
         return self._grammar_tokenizer
 
     def _caches(self, ids: list[int], drafter: Drafter, config: GenerationConfig,
