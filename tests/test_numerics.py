@@ -123,9 +123,12 @@ def test_an_exact_package_loads_as_exported_here(exact_package):
     assert found.requires_exact and not found.fell_back and found.draft_gap is not None
 
 
-def test_a_float_target_run_as_fed_is_reported_not_padded(packages):
-    """The export found padding dearer than the float rounding it removes: said, not changed."""
-    pipe, said = load_quiet(packages["llama"], calibration_cache=False)
+def test_a_float_target_run_as_fed_is_reported_not_padded(packages, tmp_path):
+    """The export found padding dearer than the float rounding it removes: said, not changed.
+    (That choice is timed at export, export/runs.py, and on a busy machine may go the other
+    way: the manifest is made to say it here.)"""
+    package = edited(packages["llama"], tmp_path, compute="float", min_run_tokens=1)
+    pipe, said = load_quiet(package, calibration_cache=False)
     assert not pipe.numerics.requires_exact and pipe.target.min_run_tokens == 1 and not said
     assert "as exported" in pipe.numerics.line() or pipe.numerics.target_exact
 
