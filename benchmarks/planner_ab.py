@@ -5,10 +5,10 @@
 
 PACKAGE: a package folder or a named model ("demo": the bundled pair); the prompts as
 benchmarks/drafters.py renders them. REV: a git commit whose runtime/drafters.py holds the
-planner to compare with (read with ``git show REV:edgespec/runtime/drafters.py``). One package is loaded once, so both planners weigh
-the same calibrated step costs; for each repeat and prompt the ``auto`` drafter runs with the
-old planner (``MixedDrafter.plan``, and no fading of the model's estimate) and with the
-current one, in alternating order. Prints per kind the median tokens/s of each and their ratio,
+planner to compare with (read with ``git show REV:edgespec/runtime/drafters.py``). One
+package is loaded once, so both planners weigh the same calibrated step costs; for each
+repeat and prompt the ``auto`` drafter runs with the old planner (``MixedDrafter.plan``, and
+no fading of the model's estimate) and with the current one, in alternating order. Prints per kind the median tokens/s of each and their ratio,
 and per run the tokens per target call and the drafts by source (which say whether the
 planners chose differently: the same sources and counts are the same rounds, and a difference
 in tokens/s between them is the machine's noise).

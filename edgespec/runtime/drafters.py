@@ -467,9 +467,8 @@ class MixedDrafter(Drafter):
     model's k. Each source's acceptance is measured: the model's from its verified proposals
     (as the adaptive schedule measures it), fading back to its prior over rounds that do not
     ask it, so a model that lost to the text is tried again; the text's from every committed
-    token, proposed or
-    not, by whether the lookup there predicted it, which is unbiased because the committed
-    token is drawn from p (P(x_n = x) = p(x), the acceptance of a point mass on x). It is kept
+    token, proposed or not, by whether the lookup there predicted it, which is unbiased
+    because the committed token is drawn from p (P(x_n = x) = p(x), the acceptance of a point mass on x). It is kept
     per n-gram length matched and per whether the lookup predicted the token before, since a
     copy goes on once it has begun. Without measured costs (a fixed or heuristic schedule)
     the text proposes its positions while its acceptance there is at least the model's, the
@@ -606,16 +605,16 @@ def best_plan(costs: StepCosts, chain: Sequence[float], alpha: float, k: int
     def catch_up(fed: int) -> float:  # a draft run on 1 + fed tokens, past one step
         return costs.draft_step_ms * (verify[min(fed + 1, len(verify) - 1)] / verify[1] - 1)
 
-    owed = catch_up(1)  # feeding the model one more committed token, later
+    owed = catch_up(1) if k else 0.0  # feeding the model one more committed token, later
     tails = np.cumsum(alpha ** np.arange(k + 1)) - 1  # [j]: the model's j, once reached
-    plans = [((0, 0), 1.0 / (verify[1] + owed))] if k else [((0, 0), 1.0 / verify[1])]
+    plans = [((0, 0), 1.0 / (verify[1] + owed))]
     if k:
         plans.append(((0, k), (1 + tails[k]) / (verify[k + 1] + draft[k])))
     chain = np.asarray(chain[:TEXT_MAX_K], dtype=np.float64)
     if len(chain):
         reached = np.cumprod(chain)  # [L-1]: P(the text's first L accepted)
         tokens = 1 + np.cumsum(reached)  # [L-1]: expected tokens of the text's L
-        text_only = tokens / (verify[2 : len(chain) + 2] + (owed * tokens if k else 0.0))
+        text_only = tokens / (verify[2 : len(chain) + 2] + owed * tokens)
         best = int(np.argmax(text_only))
         plans.append(((best + 1, 0), text_only[best]))
         # the model's turn is worth weighing where it guesses the next position better
