@@ -204,32 +204,54 @@ def test_a_fused_export_never_loads_the_model_whole(checkpoints, tmp_path, monke
     assert any("PyTorch reference: layer 2/2" in line for line in lines)
 
 
-_EXPORT = """
+_PEAK = 'print([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1])'
+_EXPORT = f"""
 import sys
-from edgespec.errors import ExportError
 from edgespec.export import export_pair
 export_pair(sys.argv[1], None, sys.argv[2], quantize="int4")
-print([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1])
+{_PEAK}
 """
+# onnxruntime alone on the graph the export wrote, as the export's run measurement opens it
+_RUNS = f"""
+import sys
+from pathlib import Path
+from edgespec.export.runs import choose_runs
+from edgespec.manifest import Manifest
+manifest = Manifest.read(Path(sys.argv[1]))
+choose_runs(Path(sys.argv[1]), manifest.target, manifest.max_positions)
+{_PEAK}
+"""
+
+
+def _peak(code: str, *args) -> int:
+    done = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True,
+                          text=True, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split()[-1]) * 1024  # kB
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_export_memory_does_not_grow_with_the_model(tmp_path):
     """A model of 32 layers exports (int4, validated) at a peak above a 1-layer model's by
-    far less than its checkpoint: about a layer, the int4 graph in onnxruntime and the
-    reference's float32 layer, not the model in bf16 and its float32 upcast (3x the
-    checkpoint), as when it was loaded whole."""
+    what onnxruntime itself holds for the larger int4 graph, plus far less than the checkpoint:
+    about a layer and the reference's float32 layer, not the model in bf16 and its float32
+    upcast (3x the checkpoint), as when it was loaded whole. onnxruntime's share is measured
+    apart, the graph opened alone as the export's run measurement opens it: what it holds
+    depends on the CPU (its 4-bit kernels keep the weights and a copy packed for the machine,
+    at up to 8 bits a weight), and measured on one machine the export's growth was 0.42x the
+    checkpoint's, on another 0.84x."""
     shape = dict(vocab_size=4096, hidden_size=512, intermediate_size=2048,
                  num_attention_heads=8, num_key_value_heads=2)
     small = _checkpoint(tmp_path / "small", "llama", torch.bfloat16, 4, num_hidden_layers=1,
                         **shape)
     large = _checkpoint(tmp_path / "large", "llama", torch.bfloat16, 4, num_hidden_layers=32,
                         **shape)
-    peaks = {}
+    export, runtime = {}, {}
     for name, path in (("small", small), ("large", large)):
-        done = subprocess.run([sys.executable, "-c", _EXPORT, str(path), str(tmp_path / f"{name}.package")],
-                              capture_output=True, text=True, cwd=Path(__file__).parents[1])
-        assert done.returncode == 0, done.stderr[-2000:]
-        peaks[name] = int(done.stdout.split()[-1]) * 1024  # kB
+        export[name] = _peak(_EXPORT, path, tmp_path / f"{name}.package")
+        runtime[name] = _peak(_RUNS, tmp_path / f"{name}.package")
     weights = CheckpointTensors(large).nbytes - CheckpointTensors(small).nbytes
-    assert peaks["large"] - peaks["small"] < 0.75 * weights, (peaks, weights)
+    grown = export["large"] - export["small"]
+    onnxruntime = runtime["large"] - runtime["small"]
+    assert onnxruntime > 0.1 * weights, (runtime, weights)  # the int4 graph is measured at all
+    assert grown - onnxruntime < 0.25 * weights, (export, runtime, weights)
