@@ -114,10 +114,11 @@ def choose_runs(root: Path, spec: ModelSpec, max_positions: int, requested: str 
     picked = figures["candidates"][chosen.name]
     exact = ("not bit-exact" if not picked["exact"] else "exact" if picked.get("align", 1) == 1
              else f"exact with runs ending on multiples of {picked['align']} positions here")
+    others = [f"{n}: {c['step_ms']:.1f} / {c['verify_ms']:.1f} ms"
+              for n, c in figures["candidates"].items() if n != chosen.name]
     report(f"target runs: {chosen.name} ({exact}: "
-           f"step {picked['step_ms']:.1f} ms, {VERIFY}-token run {picked['verify_ms']:.1f} ms; "
-           + "; ".join(f"{n}: {c['step_ms']:.1f} / {c['verify_ms']:.1f} ms"
-                       for n, c in figures["candidates"].items() if n != chosen.name) + ")")
+           f"step {picked['step_ms']:.1f} ms, {VERIFY}-token run {picked['verify_ms']:.1f} ms"
+           + "".join(f"; {other}" for other in others) + ")")
     return replace(spec, compute=chosen.compute, min_run_tokens=chosen.min_run_tokens), figures
 
 
