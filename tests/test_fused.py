@@ -225,7 +225,7 @@ choose_runs(Path(sys.argv[1]), manifest.target, manifest.max_positions)
 
 def _peak(code: str, *args) -> int:
     done = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True,
-                          text=True, cwd=Path(__file__).parents[1])
+                          text=True, cwd=Path(__file__).parents[1], timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return int(done.stdout.split()[-1]) * 1024  # kB
 

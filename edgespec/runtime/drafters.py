@@ -468,11 +468,11 @@ class MixedDrafter(Drafter):
     (as the adaptive schedule measures it), fading back to its prior over rounds that do not
     ask it, so a model that lost to the text is tried again; the text's from every committed
     token, proposed or not, by whether the lookup there predicted it, which is unbiased
-    because the committed token is drawn from p (P(x_n = x) = p(x), the acceptance of a point mass on x). It is kept
-    per n-gram length matched and per whether the lookup predicted the token before, since a
-    copy goes on once it has begun. Without measured costs (a fixed or heuristic schedule)
-    the text proposes its positions while its acceptance there is at least the model's, the
-    model the rest of k.
+    because the committed token is drawn from p (P(x_n = x) = p(x), the acceptance of a point
+    mass on x). It is kept per n-gram length matched and per whether the lookup predicted the
+    token before, since a copy goes on once it has begun. Without measured costs (a fixed or
+    heuristic schedule) the text proposes its positions while its acceptance there is at
+    least the model's, the model the rest of k.
 
     Exact as any drafter: each proposal is a row (the model's) or a point mass (the text's),
     and each position is verified with its own q (acceptance.py); the choice reads verified
