@@ -231,6 +231,7 @@ def _peak(code: str, *args) -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.slow  # two exports, of 1 and 32 layers, and onnxruntime's share measured apart
 def test_export_memory_does_not_grow_with_the_model(tmp_path):
     """A model of 32 layers exports (int4, validated) at a peak above a 1-layer model's by
     what onnxruntime itself holds for the larger int4 graph, plus far less than the checkpoint:

@@ -161,7 +161,23 @@ def _signals_held():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-@click.group()
+class _Group(click.Group):
+    """The group, keeping the arguments it was given (``given_args``) for the commands that
+    record how they were run: ``sys.argv`` is another program's where one calls ``main``."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        given = list(args)
+        context = super().make_context(info_name, args, parent, **extra)
+        context.meta["edgespec.args"] = given
+        return context
+
+
+def given_args() -> list[str]:
+    """The arguments the running ``edgespec`` command was given, after its name."""
+    return list(click.get_current_context().meta.get("edgespec.args", sys.argv[1:]))
+
+
+@click.group(cls=_Group)
 @click.version_option(package_name="edgespec")
 def main() -> None:
     """Speculative decoding for on-device language models on ONNX Runtime."""

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import click
 
-from edgespec.cli.base import loader, main, resolve_package, user_errors
+from edgespec.cli.base import given_args, loader, main, resolve_package, user_errors
 from edgespec.config import PROVIDERS, BenchConfig, check_draft_length
 
 _DEFAULTS = BenchConfig()
@@ -115,7 +114,7 @@ def bench(ctx: click.Context, package: Path | None, draft_lengths: str,
                   else ""), err=True)
     try:
         report = benchmark.run_bench(pipe, prompts, config, progress=_ProgressLines(total),
-                                     command=shlex.join(["edgespec", *sys.argv[1:]]))
+                                     command=shlex.join(["edgespec", *given_args()]))
     except benchmark.BenchInterrupted as e:  # what was measured, then exit as Ctrl-C does
         click.echo(benchmark.format_table(e.report))
         raise
