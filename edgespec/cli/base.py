@@ -174,7 +174,7 @@ class _Group(click.Group):
 
 def given_args() -> list[str]:
     """The arguments the running ``edgespec`` command was given, after its name."""
-    return list(click.get_current_context().meta.get("edgespec.args", sys.argv[1:]))
+    return list(click.get_current_context().meta["edgespec.args"])
 
 
 @click.group(cls=_Group)
